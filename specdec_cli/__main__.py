@@ -1,0 +1,3 @@
+from specdec_cli.cli import main
+
+main()

@@ -1,0 +1,116 @@
+"""The decode loop: draft, verify in one target pass, keep what the target agrees with.
+
+Without a drafter the same loop is plain target-only decoding (every round drafts
+nothing and the target picks one token), which is the baseline for every comparison.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from specdec_cli.drafters import Draft, Drafter
+from specdec_cli.errors import UserError
+from specdec_cli.llama import Context
+from specdec_cli.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
+from specdec_cli.stats import Stats
+from specdec_cli.draftlength import DraftLength, FixedLength
+
+NO_DRAFT = Draft()
+
+
+class Decoder:
+    def __init__(
+        self,
+        target: Context,
+        drafter: Drafter | None,
+        sampling: SamplingParams,
+        length: DraftLength | None = None,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.sampling = sampling
+        self.length = length or FixedLength(0)
+
+    def generate(
+        self, prompt: list[int], n_predict: int, rng: np.random.Generator, stats: Stats
+    ) -> Iterator[list[int]]:
+        """Yield each round's new tokens until EOS, `n_predict` tokens or a full context.
+
+        `stats` is updated as it goes, so a caller that stops early (a stop string,
+        Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
+        """
+        target, drafter = self.target, self.drafter
+        if not prompt:
+            raise UserError("the prompt is empty; give some text with -p, -f or stdin")
+        if len(prompt) >= target.n_ctx:
+            raise UserError(
+                f"the prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
+                "shorten the prompt or raise -c"
+            )
+        draft_ctx = getattr(drafter, "ctx", None)
+        t_start = time.perf_counter()
+        # The target's cache holds every token but the last; the last goes into the
+        # next verification batch, whose first row of logits predicts the next token.
+        target.trim(0)
+        target.decode(prompt[:-1], 0)
+        if drafter:
+            drafter.begin(prompt)
+        stats.prompt_tokens = len(prompt)
+        verify_before = target.decode_seconds
+        draft_before = draft_ctx.decode_seconds if draft_ctx else 0.0
+        draft_calls_before = draft_ctx.decode_calls if draft_ctx else 0
+        t_gen = time.perf_counter()
+        stats.prompt_seconds = t_gen - t_start
+
+        tokens = list(prompt)
+        n_new = 0
+        try:
+            while True:
+                # A round yields at most k + 1 tokens: stay within -n and the context.
+                limit = min(n_predict - n_new, target.n_ctx - len(tokens)) - 1
+                k = self.length.choose(limit) if drafter else 0
+                draft = drafter.propose(tokens, k, rng) if k > 0 else NO_DRAFT
+
+                n_past = len(tokens) - 1
+                target.decode([tokens[-1], *draft.tokens], n_past, all_logits=True)
+                n_accepted, next_token = self._verify(draft, rng)
+                # Keep the cache entries of the accepted drafts, drop the rejected ones.
+                target.trim(n_past + 1 + n_accepted)
+                self.length.observe(len(draft.tokens), n_accepted)
+
+                new = [*draft.tokens[:n_accepted], next_token]
+                eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)
+                if eog is not None:
+                    new = new[:eog]
+                    stats.stop_reason = "eos"
+                stats.record_round(draft.source, len(draft.tokens), n_accepted, len(new))
+                tokens += new
+                n_new += len(new)
+                stats.seconds = time.perf_counter() - t_gen
+                yield new
+                if stats.stop_reason:
+                    return
+                if n_new >= n_predict:
+                    stats.stop_reason = "length"
+                    return
+                if len(tokens) >= target.n_ctx:
+                    stats.stop_reason = "context"
+                    return
+        finally:
+            stats.seconds = time.perf_counter() - t_gen
+            stats.verify_seconds = target.decode_seconds - verify_before
+            if draft_ctx:
+                stats.draft_seconds = draft_ctx.decode_seconds - draft_before
+                stats.draft_calls = draft_ctx.decode_calls - draft_calls_before
+
+    def _verify(self, draft: Draft, rng: np.random.Generator) -> tuple[int, int]:
+        """Row i of the target's logits follows the context plus draft[:i]."""
+        logits = self.target.logits
+        if self.sampling.greedy:
+            return verify_greedy(draft.tokens, lambda i: int(np.argmax(logits(i))))
+        return verify_sampled(
+            draft.tokens, draft.dists, lambda i: distribution(logits(i), self.sampling), rng
+        )

@@ -1,0 +1,137 @@
+"""Who proposes tokens. The decode loop verifies them; a drafter only guesses.
+
+Every drafter answers `propose(tokens, k, rng)`: given the whole accepted sequence
+(prompt and output so far), up to k guesses for what comes next, with the
+distribution each guess was drawn from when sampling (the acceptance rule needs q).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from specdec_cli.llama import Context
+from specdec_cli.sampling import Dist, SamplingParams, distribution
+
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    dists: list[Dist] = field(default_factory=list)  # q for each token; empty when greedy
+    source: str = ""
+
+
+class Drafter(Protocol):
+    name: str
+
+    def begin(self, prompt: list[int]) -> None: ...
+
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft: ...
+
+
+class ModelDrafter:
+    """A small model with the target's vocabulary, run autoregressively for k steps.
+
+    Its KV cache always holds a prefix of the accepted sequence, plus the draft tokens
+    it evaluated last round. On each call it keeps the part of that which was accepted,
+    and feeds what it has not seen: the target's own token, and after a round where
+    every draft was accepted also its own last draft (it never evaluated that one).
+    """
+
+    name = "model"
+
+    def __init__(self, ctx: Context, sampling: SamplingParams, p_min: float = 0.0) -> None:
+        self.ctx = ctx
+        self.sampling = sampling
+        self.p_min = p_min
+        # The KV cache holds the first `_n_cached` accepted tokens, then `_unchecked`:
+        # last round's draft tokens, which the target may or may not have accepted.
+        self._n_cached = 0
+        self._unchecked: list[int] = []
+
+    def begin(self, prompt: list[int]) -> None:
+        self.ctx.trim(0)
+        self.ctx.decode(prompt[:-1], 0)
+        self._n_cached, self._unchecked = len(prompt) - 1, []
+
+    def _sync(self, tokens: list[int]) -> int:
+        """Drop the cached draft tokens that were not accepted; return the cache length."""
+        n = self._n_cached
+        for token in self._unchecked:
+            if n >= len(tokens) or tokens[n] != token:
+                break
+            n += 1
+        self.ctx.trim(n)
+        return n
+
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+        n_keep = self._sync(tokens)
+        self.ctx.decode(tokens[n_keep:], n_keep)
+        draft = Draft(source=self.name)
+        n_evaluated = 0  # draft tokens this context has seen: all but the last, usually
+        for i in range(k):
+            if i:
+                self.ctx.decode(draft.tokens[-1:], len(tokens) + i - 1)
+                n_evaluated = i
+            token, confidence, q = self._choose(self.ctx.logits(-1), rng)
+            if i and confidence < self.p_min:
+                break  # the draft is unsure: a wasted verification slot is likely
+            draft.tokens.append(token)
+            if q is not None:
+                draft.dists.append(q)
+        self._n_cached, self._unchecked = len(tokens), draft.tokens[:n_evaluated]
+        return draft
+
+    def _choose(
+        self, logits: np.ndarray, rng: np.random.Generator
+    ) -> tuple[int, float, Dist | None]:
+        """The next draft token, the draft's top probability here, and q when sampling.
+
+        Confidence is q's maximum, not q of the sampled token: stopping must not depend
+        on which token was drawn, or the kept drafts would no longer be samples of q.
+        """
+        if self.sampling.greedy:
+            token = int(np.argmax(logits))
+            if not self.p_min:
+                return token, 1.0, None
+            return token, float(1.0 / np.exp(logits - logits[token]).sum()), None
+        q = distribution(logits, self.sampling)
+        return q.sample(rng), float(q.probs.max()), q
+
+
+class NgramDrafter:
+    """Prompt lookup: if the last n tokens occurred before, guess that what followed
+    them then follows them now. Longest n first. A point-mass proposal: q(x) = 1."""
+
+    name = "ngram"
+
+    def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
+        self.n_min, self.n_max = n_min, n_max
+        self.greedy = greedy
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end index of its latest occurrence
+        self._indexed = 0  # n-grams ending before this index are in _last_end
+
+    def begin(self, prompt: list[int]) -> None:
+        self._last_end = {}
+        self._indexed = 0
+
+    def _index(self, tokens: list[int], upto: int) -> None:
+        for end in range(self._indexed, upto):
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+        self._indexed = max(self._indexed, upto)
+
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+        # Index every n-gram that ends before the last token, then look the suffix up.
+        self._index(tokens, len(tokens) - 1)
+        draft = Draft(source=self.name)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            end = self._last_end.get(tuple(tokens[-n:]))
+            if end is not None:
+                draft.tokens = tokens[end + 1 : end + 1 + k]
+                break
+        if not self.greedy:
+            draft.dists = [Dist.point(t) for t in draft.tokens]
+        return draft

@@ -1,0 +1,103 @@
+"""What one generation did and how long it took, and the figures derived from it."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Stats:
+    """Counters filled in by the decode loop.
+
+    Times are split by where they were spent: inside the draft's llama.cpp decode calls,
+    inside the target's, and everything else (our own Python work, sampling included).
+    """
+
+    k: str = "0"
+    prompt_tokens: int = 0
+    tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    target_passes: int = 0
+    draft_lengths: Counter[int] = field(default_factory=Counter)
+    batch_sizes: Counter[int] = field(default_factory=Counter)
+    proposed_by: Counter[str] = field(default_factory=Counter)
+    accepted_by: Counter[str] = field(default_factory=Counter)
+    prompt_seconds: float = 0.0
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    draft_calls: int = 0
+    stop_reason: str = ""
+
+    def record_round(self, source: str, n_drafted: int, n_accepted: int, n_new: int) -> None:
+        self.target_passes += 1
+        self.tokens += n_new
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.draft_lengths[n_drafted] += 1
+        self.batch_sizes[n_drafted + 1] += 1
+        if n_drafted:
+            self.proposed_by[source] += n_drafted
+            self.accepted_by[source] += n_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        return self.tokens / self.target_passes if self.target_passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.seconds - self.draft_seconds - self.verify_seconds)
+
+    @property
+    def mean_k(self) -> float:
+        rounds = sum(self.draft_lengths.values())
+        return sum(k * n for k, n in self.draft_lengths.items()) / rounds if rounds else 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "tokens": self.tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "target_passes": self.target_passes,
+            "tokens_per_pass": round(self.tokens_per_pass, 4),
+            "tokens_per_second": round(self.tokens_per_second, 2),
+            "seconds": round(self.seconds, 4),
+            "prompt_seconds": round(self.prompt_seconds, 4),
+            "time_split": {
+                "draft": round(self.draft_seconds, 4),
+                "verify": round(self.verify_seconds, 4),
+                "other": round(self.other_seconds, 4),
+            },
+            "k": self.k,
+            "k_mean": round(self.mean_k, 3),
+            "k_histogram": {str(k): n for k, n in sorted(self.draft_lengths.items())},
+            "drafters": {
+                name: {"proposed": n, "accepted": self.accepted_by[name]}
+                for name, n in sorted(self.proposed_by.items())
+            },
+            "stop_reason": self.stop_reason,
+        }
+
+    def summary(self) -> str:
+        """One plain line, for logs and pipes."""
+        line = (
+            f"{self.tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.1f} tok/s)"
+        )
+        if self.drafted:
+            line += (
+                f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.1%})"
+                f", {self.tokens_per_pass:.2f} tokens/pass, k={self.k} (mean {self.mean_k:.2f})"
+            )
+        return line + f", stop: {self.stop_reason or 'running'}"
