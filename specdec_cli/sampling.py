@@ -135,7 +135,7 @@ def verify_sampled(
     token is kept, the bonus token comes from the target's next distribution.
     Returns (number accepted, next token).
     """
-    for i, (token, q) in enumerate(zip(draft, draft_dists)):
+    for i, (token, q) in enumerate(zip(draft, draft_dists, strict=True)):
         p = target_dist(i)
         # u < p/q, written without the division (q(x) > 0 since x was drawn from q).
         if rng.random() * q.prob(token) < p.prob(token):

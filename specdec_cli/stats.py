@@ -30,6 +30,7 @@ class Stats:
     verify_seconds: float = 0.0
     draft_calls: int = 0
     stop_reason: str = ""
+    last_k: int = 0
 
     def record_round(self, source: str, n_drafted: int, n_accepted: int, n_new: int) -> None:
         self.target_passes += 1
@@ -37,6 +38,7 @@ class Stats:
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.draft_lengths[n_drafted] += 1
+        self.last_k = n_drafted
         self.batch_sizes[n_drafted + 1] += 1
         if n_drafted:
             self.proposed_by[source] += n_drafted

@@ -1,0 +1,390 @@
+"""The command line: parse, call, print. The work happens in the modules it calls."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
+
+import numpy as np
+import typer
+
+from specdec_cli.config import PairSpec, load_config
+from specdec_cli.display import make_display, warn
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_k
+from specdec_cli.errors import UserError
+from specdec_cli.models import locate_draft, locate_model
+from specdec_cli.sampling import SamplingParams
+from specdec_cli.stats import Stats
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+    help="Lossless speculative decoding for llama.cpp GGUF models.",
+)
+
+# Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
+ModelOpt = Annotated[
+    str,
+    typer.Option(
+        "-m", "--model",
+        help="Target model: a .gguf file, a name from the config ([models] or [pairs]), "
+        "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
+    ),
+]
+DraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-d", "-md", "--draft",
+        help="Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
+        "target-only decoding.",
+    ),
+]
+CtxOpt = Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help="Context size in "
+                   "tokens (0: the model's own, at most 4096).")]
+ThreadsOpt = Annotated[int | None, typer.Option("-t", "--threads", min=0,
+                       help="CPU threads for the target (0: physical cores).")]
+ThreadsDraftOpt = Annotated[int | None, typer.Option("-td", "--threads-draft", min=0,
+                            help="CPU threads for the draft (default: as -t).")]
+NglOpt = Annotated[int | None, typer.Option("-ngl", "--n-gpu-layers",
+                   help="Target layers to offload to the GPU (0: CPU only, -1: all).")]
+NgldOpt = Annotated[int | None, typer.Option("-ngld", "--n-gpu-layers-draft",
+                    help="Draft layers to offload to the GPU (0: CPU only, -1: all).")]
+
+
+class FlashAttn(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+FlashOpt = Annotated[FlashAttn, typer.Option("-fa", "--flash-attn", help="Flash attention.")]
+TempOpt = Annotated[float | None, typer.Option("--temp", min=0.0,
+                    help="Temperature; 0 is greedy. [default: 0.8]")]
+TopKOpt = Annotated[int | None, typer.Option("--top-k", min=0,
+                    help="Keep the k most likely tokens; 0 is off. [default: 40]")]
+TopPOpt = Annotated[float | None, typer.Option("--top-p", min=0.0, max=1.0,
+                    help="Keep the smallest set with this much mass; 1 is off. [default: 0.95]")]
+MinPOpt = Annotated[float | None, typer.Option("--min-p", min=0.0, max=1.0,
+                    help="Drop tokens below min-p x the top probability; 0 is off. "
+                    "[default: 0.05]")]
+SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed; -1 picks one "
+                    "(and reports it). [default: -1]")]
+DraftMaxOpt = Annotated[int, typer.Option("--draft-max", min=1,
+                        help="With -k auto: the longest draft.")]
+DraftMinOpt = Annotated[int, typer.Option("--draft-min", min=0,
+                        help="With -k auto: the shortest draft.")]
+DraftPMinOpt = Annotated[float, typer.Option("--draft-p-min", min=0.0, max=1.0,
+                         help="Stop drafting when the draft's top probability falls below "
+                         "this.")]
+NgramMinOpt = Annotated[int, typer.Option("--ngram-min", min=1,
+                        help="With -d ngram: the shortest n-gram to look up.")]
+NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", min=1,
+                        help="With -d ngram: the longest n-gram to look up (tried first).")]
+ConfigOpt = Annotated[str | None, typer.Option("--config", help="Config file of named models "
+                      "and pairs (default: $SPECDEC_CONFIG, then the user config dir).")]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
+
+
+def engine_options(
+    model: str,
+    draft: str | None,
+    config_path: str | None,
+    *,
+    k: str | None,
+    ctx_size: int | None,
+    threads: int | None,
+    threads_draft: int | None,
+    n_gpu_layers: int | None,
+    n_gpu_layers_draft: int | None,
+    flash_attn: str,
+    temp: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    draft_max: int,
+    draft_min: int,
+    draft_p_min: float,
+    ngram_min: int,
+    ngram_max: int,
+    verbose: bool,
+) -> tuple[EngineOptions, dict[str, int]]:
+    """Turn the shared options (and the config file's defaults) into EngineOptions.
+
+    Returns the options and the pair's remaining defaults (seed, n_predict)."""
+    config = load_config(config_path)
+    spec = config.resolve(model)
+    pair = spec if isinstance(spec, PairSpec) else None
+    target_spec = pair.target if pair else spec
+    defaults = dict(pair.sampling) if pair else {}
+    if draft is None and pair is not None:
+        draft = pair.draft.name or pair.draft.path
+    if k is None:
+        k = str(pair.k) if pair and pair.k else "5"
+    if draft_min > draft_max:
+        raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
+    if ngram_min > ngram_max:
+        raise UserError(f"--ngram-min ({ngram_min}) is above --ngram-max ({ngram_max})")
+    draft_spec = config.resolve(draft) if draft and draft.lower() not in ("none", "ngram") else None
+    sampling = SamplingParams(
+        temp=_pick(temp, defaults.get("temp"), 0.8),
+        top_k=int(_pick(top_k, defaults.get("top_k"), 40)),
+        top_p=_pick(top_p, defaults.get("top_p"), 0.95),
+        min_p=_pick(min_p, defaults.get("min_p"), 0.05),
+    )
+    parse_k(k)
+    options = EngineOptions(
+        target=locate_model(target_spec.path, config),
+        draft="ngram" if draft and draft.lower() == "ngram" else (
+            locate_draft(draft, config) if draft else None
+        ),
+        n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
+        threads=_pick(threads, target_spec.threads, 0),
+        threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
+        n_gpu_layers=_pick(n_gpu_layers, target_spec.n_gpu_layers, 0),
+        n_gpu_layers_draft=_pick(n_gpu_layers_draft, getattr(draft_spec, "n_gpu_layers", None), 0),
+        flash_attn=FlashAttn(flash_attn).value,
+        verbose=verbose,
+        sampling=sampling,
+        drafting=DraftOptions(k, draft_min, draft_max, draft_p_min, ngram_min, ngram_max),
+    )
+    return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
+
+
+def _pick(*values):
+    """The first value that is not None: the command line, then the config, then the default."""
+    return next(v for v in values if v is not None)
+
+
+@app.command()
+def run(
+    model: ModelOpt,
+    draft: DraftOpt = None,
+    k: Annotated[str | None, typer.Option("-k", "--draft-length", help="Tokens to draft "
+                 "per round, or 'auto' to choose each round. [default: 5]")] = None,
+    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="The prompt; '-' "
+                      "reads stdin (as does piping text in with no -p).")] = None,
+    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from "
+                    "this file.")] = None,
+    prompts: Annotated[Path | None, typer.Option("--prompts", help="One prompt per line: "
+                       "one independent generation each, JSON Lines out.")] = None,
+    n_predict: Annotated[int | None, typer.Option("-n", "--n-predict", min=1,
+                         help="Tokens to generate at most. [default: 256]")] = None,
+    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop when this text "
+                    "appears (not printed); repeatable.")] = None,
+    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the target's "
+                    "chat template as a user message.")] = False,
+    system: Annotated[str | None, typer.Option("--system", help="With --chat: a system "
+                      "message.")] = None,
+    temp: TempOpt = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    seed: SeedOpt = None,
+    ctx_size: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
+    n_gpu_layers: NglOpt = None,
+    n_gpu_layers_draft: NgldOpt = None,
+    flash_attn: FlashOpt = FlashAttn.auto,
+    draft_max: DraftMaxOpt = 16,
+    draft_min: DraftMinOpt = 0,
+    draft_p_min: DraftPMinOpt = 0.0,
+    ngram_min: NgramMinOpt = 1,
+    ngram_max: NgramMaxOpt = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end "
+                       "(text and stats) instead of streaming text.")] = False,
+    quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats.")] = False,
+    config: ConfigOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Generate text, speculatively: the draft proposes, the target verifies.
+
+    The output is what the target alone would produce (token for token with --temp 0,
+    the same distribution when sampling), only faster when the draft guesses well.
+
+    Examples:
+
+      specdec run -m target.gguf -d draft.gguf -k 5 -p "Once upon a time" -n 256
+
+      echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
+
+      specdec run -m target.gguf -d ngram -f code.py -p "Rename x to y:" --temp 0
+    """
+    if prompts is not None and (prompt is not None or file is not None):
+        raise UserError("--prompts runs its own prompts; drop -p / -f")
+    options, defaults = engine_options(
+        model, draft, config, k=k, ctx_size=ctx_size, threads=threads,
+        threads_draft=threads_draft, n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn, temp=temp,
+        top_k=top_k, top_p=top_p, min_p=min_p, draft_max=draft_max, draft_min=draft_min,
+        draft_p_min=draft_p_min, ngram_min=ngram_min, ngram_max=ngram_max, verbose=verbose,
+    )
+    n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
+    seed = _pick(seed, defaults.get("seed"), -1)
+    if seed < 0:
+        seed = int(np.random.SeedSequence().entropy % 2**32)
+    texts = _read_prompts(prompts) if prompts else [_read_prompt(prompt, file)]
+    with Engine(options) as engine, ends_quietly_on_closed_pipe():
+        for message in engine.warnings:
+            warn(message)
+        if prompts:
+            _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat, system)
+        else:
+            _run_one(engine, texts[0], n_predict, seed, tuple(stop or ()), chat, system,
+                     as_json, quiet)
+
+
+@contextmanager
+def ends_quietly_on_closed_pipe() -> Iterator[None]:
+    """`specdec run ... | head`: when the reader goes away, stop without a word, exit 0."""
+    try:
+        yield
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(0) from None
+
+
+def _read_prompt(prompt: str | None, file: Path | None) -> str:
+    if prompt is not None and file is not None:
+        raise UserError("give the prompt with -p or with -f, not both")
+    # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
+    if file is not None:
+        return _read_text(file).removesuffix("\n")
+    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        return sys.stdin.read().removesuffix("\n")
+    if prompt is None:
+        raise UserError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
+    return prompt
+
+
+def _read_prompts(path: Path) -> list[str]:
+    lines = [line for line in _read_text(path).splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"{path} has no prompts; write one prompt per line")
+    return lines
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UserError(f"file not found: {path}; check the path") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _run_one(
+    engine: Engine, text: str, n_predict: int, seed: int, stop: tuple[str, ...],
+    chat: bool, system: str | None, as_json: bool, quiet: bool,
+) -> None:
+    tokens = engine.tokenize(text, chat, system)
+    stats = Stats()
+    display = make_display(as_json, quiet)
+    pieces: list[str] = []
+    try:
+        for piece in engine.generate(tokens, n_predict, np.random.default_rng(seed), stats, stop):
+            pieces.append(piece)
+            display.text(piece)
+            display.update(stats)
+    except KeyboardInterrupt:
+        stats.stop_reason = "interrupted"
+    display.finish(stats)
+    if as_json:
+        print(json.dumps({"text": "".join(pieces), "seed": seed, **stats.to_dict()}))
+    if stats.stop_reason == "interrupted":
+        raise typer.Exit(130)
+
+
+def _run_many(
+    engine: Engine, texts: list[str], n_predict: int, seed: int, stop: tuple[str, ...],
+    chat: bool, system: str | None,
+) -> None:
+    """One JSON line per prompt, each with its own random stream spawned from --seed."""
+    streams = np.random.SeedSequence(seed).spawn(len(texts))
+    for index, (text, stream) in enumerate(zip(texts, streams, strict=True)):
+        stats = Stats()
+        tokens = engine.tokenize(text, chat, system)
+        try:
+            out = "".join(engine.generate(tokens, n_predict, np.random.default_rng(stream),
+                                          stats, stop))
+        except KeyboardInterrupt:
+            raise typer.Exit(130) from None
+        record = {"index": index, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
+        print(json.dumps(record), flush=True)
+
+
+# --- model commands (info, check) ---
+
+
+@app.command()
+def info(
+    model: str = typer.Argument(
+        ..., help="A .gguf file, a configured model name or a Hugging Face ref."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Show what a GGUF model is: architecture, size, vocabulary, quantisation.
+
+    Reads only the file's header, so it is instant even for large models.
+
+    Example: specdec info models/qwen2.5-7b-instruct-q4_k_m.gguf
+    """
+    from specdec_cli import modelinfo
+
+    modelinfo.print_info(modelinfo.describe(modelinfo.load_model(model)), as_json=as_json)
+
+
+@app.command()
+def check(
+    target: str = typer.Option(..., "-m", "--model", help="The target (big) model to speed up."),
+    draft: str = typer.Option(
+        ..., "-d", "-md", "--draft", help="The draft (small) model that proposes tokens."
+    ),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Check that a draft model can speed up a target: same tokenizer, same special tokens.
+
+    Exit code 0 if they can be paired, 1 if not (every reason is printed).
+
+    Example: specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
+    """
+    from specdec_cli import modelinfo
+    from specdec_cli.compat import check_pair
+
+    target_model, draft_model = modelinfo.load_model(target), modelinfo.load_model(draft)
+    report = check_pair(target_model, draft_model)
+    modelinfo.print_check(target_model, draft_model, report, as_json=as_json)
+    if not report.ok:
+        # sys.exit, not typer.Exit: main() runs the app with standalone_mode=False, where
+        # typer.Exit's code is returned instead of becoming the process exit status.
+        sys.exit(1)
+
+
+def main() -> None:
+    """Console entry point: turn expected failures into one line and an exit code."""
+    try:
+        result = app(standalone_mode=False)
+    except UserError as err:
+        _fail(str(err), err.exit_code)
+    except typer.TyperException as err:  # bad flags: click's usage errors, as typer raises them
+        ctx = getattr(err, "ctx", None)
+        hint = f" (see: {ctx.command_path} --help)" if ctx else ""
+        _fail(f"{err.format_message()}{hint}", err.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
+        sys.exit(130)
+    # With standalone_mode=False, click returns typer.Exit's code instead of exiting.
+    sys.exit(result if isinstance(result, int) else 0)
+
+
+def _fail(message: str, code: int) -> None:
+    print(f"specdec: error: {message}", file=sys.stderr)
+    sys.exit(code)

@@ -1,0 +1,159 @@
+"""Models loaded once, ready for any number of generations.
+
+This is where the user's choices become objects: which drafter, which draft length
+policy, which sampling settings, and the compatibility check between the two models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specdec_cli import compat, gguf_meta
+from specdec_cli.decode import Decoder
+from specdec_cli.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_cli.draftlength import DraftLength, FixedLength
+from specdec_cli.errors import UserError
+from specdec_cli.llama import Context, ContextParams, Model, init_backend, physical_cores
+from specdec_cli.sampling import SamplingParams
+from specdec_cli.stats import Stats
+from specdec_cli.textstream import TextStream
+
+DEFAULT_MAX_CTX = 4096
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """What drafts, and how much. `k` is a number of tokens or "auto"."""
+
+    k: str = "5"
+    draft_min: int = 0
+    draft_max: int = 16
+    p_min: float = 0.0
+    ngram_min: int = 1
+    ngram_max: int = 4
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    target: Path
+    draft: Path | str | None = None  # a model file, "ngram", or None for target-only
+    n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_MAX_CTX
+    threads: int = 0  # 0: the machine's physical cores
+    threads_draft: int = 0  # 0: same as threads
+    n_gpu_layers: int = 0
+    n_gpu_layers_draft: int = 0
+    flash_attn: str = "auto"
+    verbose: bool = False
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    drafting: DraftOptions = field(default_factory=DraftOptions)
+
+
+def parse_k(k: str) -> int | None:
+    """A draft length: a positive integer, or None for "auto"."""
+    if k == "auto":
+        return None
+    try:
+        value = int(k)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise UserError(f"-k must be a whole number of at least 1, or 'auto' (got {k!r})")
+    return value
+
+
+class Engine:
+    def __init__(self, options: EngineOptions) -> None:
+        self.options = options
+        draft_path = options.draft if isinstance(options.draft, Path) else None
+        self.warnings = check_models(options.target, draft_path)
+        init_backend(options.verbose)
+        self._owned: list[Model | Context] = []
+        self.model = self._own(Model(options.target, options.n_gpu_layers))
+        n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX)
+        threads = options.threads or physical_cores()
+        self.target = self._own(Context(self.model, ContextParams(n_ctx, threads, options.flash_attn)))
+        self.draft_model: Model | None = None
+        self.drafter: Drafter | None = None
+        if draft_path:
+            self.draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
+            # The draft must be able to hold the same sequence as the target.
+            draft_params = ContextParams(
+                self.target.n_ctx, options.threads_draft or threads, options.flash_attn
+            )
+            draft_ctx = self._own(Context(self.draft_model, draft_params))
+            self.drafter = ModelDrafter(draft_ctx, options.sampling, options.drafting.p_min)
+        elif options.draft == "ngram":
+            d = options.drafting
+            self.drafter = NgramDrafter(d.ngram_min, d.ngram_max, options.sampling.greedy)
+        self.decoder = Decoder(self.target, self.drafter, options.sampling, self._draft_length())
+
+    def _own(self, obj):
+        self._owned.append(obj)
+        return obj
+
+    def _draft_length(self) -> DraftLength:
+        k = parse_k(self.options.drafting.k)
+        return FixedLength(k if k is not None else self.options.drafting.draft_max)
+
+    def close(self) -> None:
+        for obj in reversed(self._owned):
+            obj.close()
+        self._owned.clear()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def tokenize(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
+        if chat:
+            # The template writes the special tokens itself (BOS included, when it wants one).
+            return self.model.tokenize(self.model.chat_prompt(prompt, system), add_special=False)
+        return self.model.tokenize(prompt)
+
+    def generate(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        stop: tuple[str, ...] = (),
+    ) -> Iterator[str]:
+        """Yield the generated text in pieces as the tokens are accepted."""
+        stats.k = self.options.drafting.k if self.drafter else "0"
+        stream = TextStream(stop)
+        rounds = self.decoder.generate(prompt, n_predict, rng, stats)
+        try:
+            for new in rounds:
+                for token in new:
+                    text = stream.push(self.model.piece(token))
+                    if text:
+                        yield text
+                    if stream.stopped:
+                        stats.stop_reason = "stop"
+                        return
+            tail = stream.flush()
+            if tail:
+                yield tail
+        finally:
+            rounds.close()
+
+
+def check_models(target: Path, draft: Path | None) -> list[str]:
+    """Refuse files llama.cpp would choke on, and drafts that cannot pair with the target,
+    before loading anything. Returns warnings worth showing."""
+    target_file = gguf_meta.read_gguf(target)
+    if draft is None:
+        return []
+    report = compat.check_pair(target_file, gguf_meta.read_gguf(draft))
+    if not report.ok:
+        raise UserError(
+            f"{draft.name} cannot draft for {target.name}: {report.problems[0]} "
+            "(run `specdec check -m TARGET -d DRAFT` for the full report)"
+        )
+    return list(report.warnings)
