@@ -182,7 +182,8 @@ class Context:
                 f"llama.cpp could not create a context of {params.n_ctx} tokens for "
                 f"{model.path.name}; try a smaller -c"
             )
-        self.n_ctx: int = llama_cpp.llama_n_ctx(self.ptr)
+        # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
+        self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
         self.n_batch: int = cparams.n_batch
         self.memory = llama_cpp.llama_get_memory(self.ptr)
         self.decode_seconds = 0.0

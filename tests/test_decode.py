@@ -1,0 +1,220 @@
+"""The decode loop on real llama.cpp models: speculative output == target-only output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+
+from specdec_cli.decode import Decoder
+from specdec_cli.draftlength import FixedLength
+from specdec_cli.drafters import Draft
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions
+from specdec_cli.sampling import GREEDY, SamplingParams
+from specdec_cli.stats import Stats
+
+PROMPT = "Once upon a time"
+K_VALUES = [1, 2, 4, 8]
+
+
+def open_engine(
+    target: Path,
+    draft: Path | str | None = None,
+    k: int = 4,
+    sampling: SamplingParams = GREEDY,
+    n_ctx: int = 256,
+) -> Engine:
+    return Engine(
+        EngineOptions(
+            target=target,
+            draft=draft,
+            n_ctx=n_ctx,
+            threads=1,
+            sampling=sampling,
+            drafting=DraftOptions(k=str(k)),
+        )
+    )
+
+
+def generate(
+    engine: Engine, n_predict: int = 64, seed: int = 0, decoder: Decoder | None = None
+) -> tuple[list[int], Stats]:
+    stats = Stats()
+    prompt = engine.tokenize(PROMPT)
+    out: list[int] = []
+    rng = np.random.default_rng(seed)
+    for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, stats):
+        out += new
+    return out, stats
+
+
+def target_only(target: Path, n_predict: int = 64, n_ctx: int = 256) -> list[int]:
+    with open_engine(target, n_ctx=n_ctx) as engine:
+        return generate(engine, n_predict)[0]
+
+
+@pytest.fixture(scope="module")
+def fixture_reference(target_model: Path) -> list[int]:
+    return target_only(target_model)
+
+
+@pytest.fixture(scope="module")
+def stories_reference(stories260k: Path) -> list[int]:
+    return target_only(stories260k, n_predict=128)
+
+
+def test_reference_is_a_real_continuation(fixture_reference: list[int]) -> None:
+    assert len(fixture_reference) == 64
+    assert len(set(fixture_reference)) > 5  # not one token repeated
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_draft_equal_to_target(target_model: Path, fixture_reference, k: int) -> None:
+    with open_engine(target_model, target_model, k) as engine:
+        out, stats = generate(engine)
+    assert out == fixture_reference
+    assert stats.acceptance_rate == 1.0  # the same model always agrees with itself
+    assert stats.tokens_per_pass > 1.0
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_smaller_draft(target_model: Path, draft_model: Path, fixture_reference,
+                              k: int) -> None:
+    with open_engine(target_model, draft_model, k) as engine:
+        out, stats = generate(engine)
+    assert out == fixture_reference
+    assert 0.0 < stats.acceptance_rate < 1.0  # some drafts rejected, some kept
+    assert stats.drafted > 0
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_ngram_draft(target_model: Path, fixture_reference, k: int) -> None:
+    with open_engine(target_model, "ngram", k) as engine:
+        out, _ = generate(engine)
+    assert out == fixture_reference
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_stories260k(stories260k: Path, stories_reference, k: int) -> None:
+    for draft in (stories260k, "ngram"):
+        with open_engine(stories260k, draft, k) as engine:
+            out, stats = generate(engine, n_predict=128)
+        assert out == stories_reference
+        assert stats.accepted > 0
+
+
+class WrongDrafter:
+    """Proposes k tokens that differ from the known target output: nothing is accepted."""
+
+    name = "wrong"
+
+    def __init__(self, reference: list[int], n_prompt: int, n_vocab: int) -> None:
+        self.reference, self.n_prompt, self.n_vocab = reference, n_prompt, n_vocab
+
+    def begin(self, prompt: list[int]) -> None:
+        pass
+
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+        at = len(tokens) - self.n_prompt
+        return Draft([(self.reference[at] + 1) % self.n_vocab] * k, source=self.name)
+
+
+def test_nothing_accepted(target_model: Path, fixture_reference) -> None:
+    with open_engine(target_model) as engine:
+        drafter = WrongDrafter(fixture_reference, len(engine.tokenize(PROMPT)),
+                               engine.model.n_vocab)
+        decoder = Decoder(engine.target, drafter, GREEDY, FixedLength(3))
+        out, stats = generate(engine, decoder=decoder)
+    assert out == fixture_reference
+    assert stats.accepted == 0 and stats.drafted > 0
+    assert stats.tokens_per_pass == 1.0
+
+
+@pytest.mark.parametrize("draft_kind", ["self", "small"])
+def test_eos_inside_an_accepted_draft(model_pair_factory, fixture_reference,
+                                      draft_kind: str) -> None:
+    # Make EOS a token greedy decoding produces at a position that k=8 drafts cover.
+    k = 8
+    position = next(i for i in range(3, 40) if i % (k + 1) != k
+                    and fixture_reference[i] not in fixture_reference[:i])
+    eos = fixture_reference[position]
+    target, small = model_pair_factory(eos)
+    with open_engine(target, target if draft_kind == "self" else small, k) as engine:
+        out, stats = generate(engine)
+    assert out == fixture_reference[:position]
+    assert stats.stop_reason == "eos"
+    if draft_kind == "self":
+        assert stats.accepted >= position  # the EOS came out of an accepted draft
+    with open_engine(target) as engine:
+        assert generate(engine)[0] == out
+
+
+@pytest.mark.parametrize("k", [1, 8])
+def test_context_full(target_model: Path, draft_model: Path, k: int) -> None:
+    n_ctx = 48
+    reference = target_only(target_model, n_predict=1000, n_ctx=n_ctx)
+    with open_engine(target_model, draft_model, k, n_ctx=n_ctx) as engine:
+        out, stats = generate(engine, n_predict=1000)
+        n_prompt = len(engine.tokenize(PROMPT))
+    assert stats.stop_reason == "context"
+    assert n_prompt + len(out) == n_ctx
+    assert out == reference
+
+
+def test_length_limit_is_exact(target_model: Path, fixture_reference) -> None:
+    with open_engine(target_model, target_model, 8) as engine:
+        out, stats = generate(engine, n_predict=13)
+    assert out == fixture_reference[:13]
+    assert stats.stop_reason == "length" and stats.tokens == 13
+
+
+def test_generations_reuse_the_engine(target_model: Path, draft_model: Path,
+                                      fixture_reference) -> None:
+    """A second generation starts from a clean cache in both models."""
+    with open_engine(target_model, draft_model, 4) as engine:
+        first, _ = generate(engine, n_predict=30)
+        second, _ = generate(engine, n_predict=64)
+    assert first == fixture_reference[:30]
+    assert second == fixture_reference
+
+
+SAMPLING = SamplingParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0)
+N_RUNS = 2500
+N_FIRST = 3
+
+
+def first_tokens(engine: Engine, seeds: range) -> np.ndarray:
+    return np.array([generate(engine, N_FIRST, seed)[0] for seed in seeds])
+
+
+def test_sampling_seeded_runs_are_reproducible(target_model: Path, draft_model: Path) -> None:
+    with open_engine(target_model, draft_model, 4, SAMPLING) as engine:
+        a, b = generate(engine, 40, seed=11)[0], generate(engine, 40, seed=11)[0]
+        c = generate(engine, 40, seed=12)[0]
+    assert a == b
+    assert a != c
+
+
+def test_sampling_matches_target_distribution(target_model: Path, draft_model: Path) -> None:
+    """The first tokens of thousands of seeded runs: speculative vs target-only."""
+    with open_engine(target_model, sampling=SAMPLING) as engine:
+        baseline = first_tokens(engine, range(N_RUNS))
+    with open_engine(target_model, draft_model, 4, SAMPLING) as engine:
+        speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
+        stats = generate(engine, 64, seed=0)[1]
+    assert 0.0 < stats.acceptance_rate < 1.0
+    for position in range(N_FIRST):
+        table = contingency(baseline[:, position], speculative[:, position])
+        assert table.shape[1] > 3  # a real distribution, not one forced token
+        assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
+
+
+def contingency(a: np.ndarray, b: np.ndarray, min_count: int = 5) -> np.ndarray:
+    """Counts per token for two samples, rare tokens pooled so chi-square is valid."""
+    tokens = np.union1d(a, b)
+    table = np.array([[np.sum(x == t) for t in tokens] for x in (a, b)])
+    common = table.sum(axis=0) >= min_count
+    pooled = table[:, ~common].sum(axis=1, keepdims=True)
+    return np.hstack([table[:, common], pooled]) if pooled.any() else table[:, common]
