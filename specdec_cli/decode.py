@@ -12,11 +12,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from specdec_cli.drafters import Draft, Drafter
+from specdec_cli.draftlength import DraftLength, FixedLength
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context
 from specdec_cli.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
 from specdec_cli.stats import Stats
-from specdec_cli.draftlength import DraftLength, FixedLength
 
 NO_DRAFT = Draft()
 

@@ -1,0 +1,183 @@
+"""`specdec run` as users call it: real processes, exit codes, pipes, JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from specdec_cli import cli
+from specdec_cli.engine import Engine
+
+
+def specdec(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "specdec_cli", *args],
+        input=stdin if stdin is not None else "",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1].startswith("specdec: error:"), result.stderr
+    for word in words:
+        assert word in lines[-1], lines[-1]
+
+
+GREEDY = ["--temp", "0", "-t", "1"]
+
+
+def test_missing_model(tmp_path: Path) -> None:
+    assert_user_error(specdec("run", "-m", str(tmp_path / "nope.gguf"), "-p", "hi"), "not found")
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    fake = tmp_path / "model.gguf"
+    fake.write_text("this is not a model")
+    assert_user_error(specdec("run", "-m", str(fake), "-p", "hi"), "not a GGUF")
+
+
+def test_missing_draft(target_model: Path, tmp_path: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-d", str(tmp_path / "d.gguf"), "-p", "hi")
+    assert_user_error(result, "not found")
+
+
+def test_mismatched_vocabulary(target_model: Path, other_vocab_model: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-d", str(other_vocab_model), "-p", "hi")
+    assert_user_error(result, "cannot draft for", "token")
+
+
+def test_padded_vocabulary_only_warns(target_model: Path, padded_vocab_model: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-d", str(padded_vocab_model), "-p", "hi",
+                     "-n", "8", *GREEDY)
+    assert result.returncode == 0, result.stderr
+    assert "warning" in result.stderr and "pad" in result.stderr.lower()
+
+
+@pytest.mark.parametrize(
+    ("flags", "word"),
+    [
+        (["-k", "0"], "-k"),
+        (["-k", "many"], "-k"),
+        (["-n", "0"], "--n-predict"),
+        (["--top-p", "1.5"], "--top-p"),
+        (["--temp", "-1"], "--temp"),
+        (["--ngram-min", "5", "--ngram-max", "2"], "--ngram-min"),
+        (["-fa", "maybe"], "--flash-attn"),
+    ],
+)
+def test_impossible_flag_values(target_model: Path, flags: list[str], word: str) -> None:
+    assert_user_error(specdec("run", "-m", str(target_model), "-p", "hi", *flags), word)
+
+
+def test_prompt_longer_than_context(target_model: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-c", "16", "-p", "word " * 40)
+    assert_user_error(result, "context", "-c")
+
+
+def test_no_prompt_file(target_model: Path, tmp_path: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-f", str(tmp_path / "missing.txt"))
+    assert_user_error(result, "not found")
+
+
+def test_json_output(target_model: Path, draft_model: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-d", str(draft_model), "-k", "3",
+                     "-p", "Once upon a time", "-n", "20", "--json", *GREEDY)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    for field in ("text", "tokens", "drafted", "accepted", "acceptance_rate", "target_passes",
+                  "tokens_per_second", "seconds", "k", "stop_reason"):
+        assert field in record
+    assert record["tokens"] == 20 and record["stop_reason"] == "length"
+    assert record["k"] == "3" and record["drafted"] >= record["accepted"] > 0
+    assert result.stderr == ""  # the JSON replaces the summary line
+
+
+def test_text_equals_target_only_and_summary_is_one_line(target_model: Path,
+                                                         draft_model: Path) -> None:
+    args = ["-p", "Once upon a time", "-n", "24", *GREEDY]
+    alone = specdec("run", "-m", str(target_model), *args)
+    spec = specdec("run", "-m", str(target_model), "-d", str(draft_model), *args)
+    assert alone.returncode == spec.returncode == 0
+    assert spec.stdout == alone.stdout and spec.stdout.strip()
+    summary = spec.stderr.strip().splitlines()
+    assert len(summary) == 1 and "tok/s" in summary[0] and "accepted" in summary[0]
+    quiet = specdec("run", "-m", str(target_model), "-d", str(draft_model), "-q", *args)
+    assert quiet.stderr == "" and quiet.stdout == alone.stdout
+
+
+def test_prompt_from_stdin(target_model: Path) -> None:
+    from_flag = specdec("run", "-m", str(target_model), "-p", "Once upon a time", "-n", "10",
+                        *GREEDY)
+    piped = specdec("run", "-m", str(target_model), "-n", "10", *GREEDY,
+                    stdin="Once upon a time\n")
+    dash = specdec("run", "-m", str(target_model), "-p", "-", "-n", "10", *GREEDY,
+                   stdin="Once upon a time")
+    assert piped.stdout == from_flag.stdout == dash.stdout != ""
+
+
+def test_stop_string_cuts_the_text(target_model: Path) -> None:
+    full = specdec("run", "-m", str(target_model), "-p", "Once", "-n", "40", "-q", *GREEDY)
+    stop = full.stdout[10:14]
+    cut = specdec("run", "-m", str(target_model), "-p", "Once", "-n", "40", "--json",
+                  "--stop", stop, *GREEDY)
+    record = json.loads(cut.stdout)
+    assert record["stop_reason"] == "stop"
+    assert record["text"] == full.stdout[: full.stdout.index(stop)]
+
+
+def test_prompts_file_gives_json_lines(target_model: Path, draft_model: Path,
+                                       tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\n\nThe little dog\nOnce upon a time\n")
+    result = specdec("run", "-m", str(target_model), "-d", str(draft_model), "--prompts",
+                     str(prompts), "-n", "12", "--temp", "1", "--seed", "5", "-t", "1")
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["prompt"] for r in records] == ["Once upon a time", "The little dog",
+                                              "Once upon a time"]
+    assert all(r["tokens"] == 12 for r in records)
+    # Each prompt has its own random stream: the same prompt twice samples differently...
+    assert records[0]["text"] != records[2]["text"]
+    # ...and the whole file is reproducible from --seed.
+    again = specdec("run", "-m", str(target_model), "-d", str(draft_model), "--prompts",
+                    str(prompts), "-n", "12", "--temp", "1", "--seed", "5", "-t", "1")
+    assert [json.loads(line)["text"] for line in again.stdout.splitlines()] == [
+        r["text"] for r in records
+    ]
+
+
+def test_closed_pipe_ends_quietly(target_model: Path) -> None:
+    command = (f"{sys.executable} -m specdec_cli run -m {target_model} -p Once -n 2000 "
+               f"-c 256 -t 1 --temp 0 | head -c 5")
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
+                            text=True, timeout=120)
+    assert len(result.stdout) == 5
+    assert "Traceback" not in result.stderr and "Error" not in result.stderr
+    assert result.returncode == 0
+
+
+def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> None:
+    real_generate = Engine.generate
+
+    def interrupted(self, *args, **kwargs):
+        for i, piece in enumerate(real_generate(self, *args, **kwargs)):
+            if i == 5:
+                raise KeyboardInterrupt
+            yield piece
+
+    monkeypatch.setattr(Engine, "generate", interrupted)
+    result = CliRunner().invoke(cli.app, ["run", "-m", str(target_model), "-p", "Once",
+                                          "-n", "50", *GREEDY])
+    assert result.exit_code == 130
+    assert "stop: interrupted" in result.stderr
+    assert "6 tokens" in result.stderr  # the 6th was generated, then Ctrl-C came
