@@ -1,0 +1,226 @@
+"""Hugging Face Hub references, as llama.cpp's `-hf` takes them.
+
+    hf://OWNER/REPO/path/to/FILE.gguf   that file
+    OWNER/REPO:QUANT                    the file named with that quant tag (Q4_K_M, Q8_0, ...)
+    OWNER/REPO                          Q4_K_M if there is one, else the repo's only GGUF
+
+(`hf://OWNER/REPO[:QUANT]` is accepted too.) huggingface-hub does the downloading and caching,
+so HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN and `hf auth login` work as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import sys
+from pathlib import Path, PurePosixPath
+
+from huggingface_hub import (
+    CacheNotFound,
+    HfApi,
+    constants,
+    hf_hub_download,
+    is_offline_mode,
+    scan_cache_dir,
+)
+from huggingface_hub.errors import (
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    HFValidationError,
+    LocalEntryNotFoundError,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.utils import disable_progress_bars
+from huggingface_hub.utils import httpx as hub_http  # whichever HTTP library this version uses
+
+from specdec_cli.errors import UserError
+
+HF_PREFIX = "hf://"
+DEFAULT_QUANT = "Q4_K_M"  # what llama.cpp's -hf picks when no quant is given
+
+_REPO_ID = r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*"
+_BARE_REF = re.compile(rf"(?P<repo>{_REPO_ID})(?::(?P<quant>[\w.-]+))?")
+_HF_URL = re.compile(rf"hf://(?P<repo>{_REPO_ID})(?::(?P<quant>[\w.-]+)|/(?P<file>.+))?")
+# llama.cpp's gguf-split names: model-00001-of-00003.gguf
+_SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
+# What huggingface-hub raises: its HTTP errors are OSErrors, LocalEntryNotFoundError is a
+# FileNotFoundError, offline mode a ConnectionError; connection failures come from its HTTP library.
+_HUB_ERRORS = (EntryNotFoundError, HFValidationError, OSError, hub_http.HTTPError)
+
+
+def is_hub_ref(ref: str) -> bool:
+    """Whether ref has the shape of a Hub reference (a `.gguf` name is always a local path)."""
+    if ref.startswith(HF_PREFIX):
+        return True
+    return _BARE_REF.fullmatch(ref) is not None and not ref.lower().endswith(".gguf")
+
+
+def fetch_gguf(ref: str) -> Path:
+    """Download (or find in the cache) the GGUF file ref names; return its local path.
+
+    For a split model every part is fetched and the first part's path is returned: llama.cpp
+    finds the other parts next to it.
+    """
+    repo_id, part, quant = _parse(ref)  # `part` names the file being fetched, for errors
+    paths = []
+    try:
+        parts = _split_parts(part or _pick_file(repo_id, quant))
+        # Progress bars are for people watching; keep pipes and logs clean.
+        quiet = contextlib.nullcontext() if sys.stderr.isatty() else disable_progress_bars()
+        with quiet:
+            for part in parts:
+                paths.append(hf_hub_download(repo_id, part))
+    except _HUB_ERRORS as err:
+        raise _explain(err, ref, repo_id, part) from err
+    # Return the snapshot path, not the resolved blob: the blobs are named by hash, so only in
+    # the snapshot directory do a split model's parts sit next to each other under their names.
+    return Path(paths[0])
+
+
+def _parse(ref: str) -> tuple[str, str | None, str | None]:
+    """Split ref into (repo_id, file or None, quant or None)."""
+    match = (_HF_URL if ref.startswith(HF_PREFIX) else _BARE_REF).fullmatch(ref)
+    if match is None:
+        raise UserError(
+            f"not a Hugging Face reference: {ref}; "
+            "use hf://OWNER/REPO/FILE.gguf or OWNER/REPO:QUANT"
+        )
+    groups = match.groupdict()
+    filename = groups.get("file")
+    if filename is not None and not filename.lower().endswith(".gguf"):
+        raise UserError(f"{ref} does not name a .gguf file; use hf://OWNER/REPO/FILE.gguf")
+    return groups["repo"], filename, groups["quant"]
+
+
+def _pick_file(repo_id: str, quant: str | None) -> str:
+    """Choose the GGUF file for OWNER/REPO[:QUANT] from the repo's file list."""
+    if is_offline_mode():
+        where = f"the cached copy of {repo_id}"
+        files = _cached_files(repo_id)
+        if not files:
+            raise _not_cached(f"{repo_id}:{quant}" if quant else repo_id)
+    else:
+        where = repo_id
+        files = HfApi().list_repo_files(repo_id)
+    # One entry per model: skip vision projectors and the later parts of split models.
+    models = [
+        name
+        for name in files
+        if name.lower().endswith(".gguf")
+        and not PurePosixPath(name).name.lower().startswith("mmproj")
+        and _split_index(name) in (None, 1)
+    ]
+    if not models:
+        raise UserError(f"{where} has no .gguf files; check the repository name")
+    matches = _matching(models, quant or DEFAULT_QUANT)
+    if not matches and quant is None and len(models) == 1:
+        matches = models
+    if not matches:
+        wanted = quant or f"the default {DEFAULT_QUANT} (add :QUANT to choose)"
+        raise UserError(
+            f"no .gguf file in {where} matches {wanted}; available: {', '.join(models)}"
+        )
+    # A single file beats a split set of the same quant.
+    whole = [name for name in matches if _split_index(name) is None]
+    chosen = whole or matches
+    if len(chosen) > 1:
+        raise UserError(
+            f"{quant or DEFAULT_QUANT} matches several files in {where}: {', '.join(chosen)}; "
+            f"name one with hf://{repo_id}/FILE"
+        )
+    return chosen[0]
+
+
+def _matching(files: list[str], quant: str) -> list[str]:
+    """Files whose path carries the quant tag as a whole word: Q4_K matches neither Q4_K_M nor
+    IQ4_K. The tag may be a folder name, as in unsloth's Q4_K_M/model-00001-of-00002.gguf."""
+    tag = re.compile(rf"(?:^|[^a-z0-9]){re.escape(quant.lower())}(?=[./-])")
+    return [name for name in files if tag.search(name.lower())]
+
+
+def _cached_files(repo_id: str) -> list[str]:
+    """Files of the cached snapshot that `main` points to, relative to the snapshot."""
+    try:
+        # Pass the cache dir: scan_cache_dir's default is bound when huggingface-hub is imported,
+        # while hf_hub_download reads constants.HF_HUB_CACHE on each call. Same value in a
+        # normal run; this keeps the two in step when the constant is changed later (tests).
+        cache = scan_cache_dir(constants.HF_HUB_CACHE)
+    except CacheNotFound:
+        return []
+    for repo in cache.repos:
+        if repo.repo_id != repo_id or repo.repo_type != "model":
+            continue
+        for revision in repo.revisions:
+            if "main" in revision.refs:
+                return sorted(
+                    file.file_path.relative_to(revision.snapshot_path).as_posix()
+                    for file in revision.files
+                )
+    return []
+
+
+def _split_index(filename: str) -> int | None:
+    match = _SPLIT.search(filename)
+    return int(match["part"]) if match else None
+
+
+def _split_parts(filename: str) -> list[str]:
+    """All parts of a split model (whichever part was named), or just the file."""
+    match = _SPLIT.search(filename)
+    if match is None:
+        return [filename]
+    stem, total = filename[: match.start()], match["total"]
+    return [f"{stem}-{part:05d}-of-{total}.gguf" for part in range(1, int(total) + 1)]
+
+
+def _not_cached(what: str) -> UserError:
+    return UserError(
+        f"{what} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+        "run once online or unset HF_HUB_OFFLINE"
+    )
+
+
+def _explain(err: Exception, ref: str, repo_id: str, filename: str | None) -> UserError:
+    """One line for each way a Hub look-up fails."""
+    what = f"{repo_id}/{filename}" if filename else ref
+    # Subclasses before their bases: GatedRepoError is a RepositoryNotFoundError, and
+    # LocalEntryNotFoundError an EntryNotFoundError; the first three are HfHubHTTPErrors.
+    if isinstance(err, GatedRepoError):
+        return UserError(
+            f"{repo_id} is gated: accept its terms at https://huggingface.co/{repo_id}, "
+            "then log in with `hf auth login` or set HF_TOKEN"
+        )
+    if isinstance(err, RepositoryNotFoundError):
+        return UserError(
+            f"Hugging Face repository not found: {repo_id}; check the name "
+            "(for a private repo, log in with `hf auth login` or set HF_TOKEN)"
+        )
+    if isinstance(err, RevisionNotFoundError):
+        return UserError(f"{repo_id} has no 'main' branch; check the repository name")
+    if isinstance(err, LocalEntryNotFoundError):
+        if is_offline_mode():
+            return _not_cached(what)
+        return UserError(
+            f"could not reach the Hugging Face Hub to download {what}, and it is not in the local "
+            "cache; check your connection"
+        )
+    if isinstance(err, EntryNotFoundError):
+        return UserError(
+            f"{repo_id} has no file {filename}; see https://huggingface.co/{repo_id}/tree/main"
+        )
+    if isinstance(err, HFValidationError):
+        return UserError(f"invalid Hugging Face repository name in {ref}: {_first_line(err)}")
+    if isinstance(err, HfHubHTTPError):
+        return UserError(f"Hugging Face Hub request for {what} failed: {_first_line(err)}")
+    if isinstance(err, (ConnectionError, hub_http.TransportError)):
+        return UserError(
+            f"cannot reach the Hugging Face Hub for {what} ({_first_line(err)}); check your "
+            "connection, or set HF_HUB_OFFLINE=1 to use cached models"
+        )
+    return UserError(f"cannot fetch {what}: {_first_line(err)}")
+
+
+def _first_line(err: Exception) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
