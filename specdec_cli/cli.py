@@ -34,7 +34,8 @@ app = typer.Typer(
 ModelOpt = Annotated[
     str,
     typer.Option(
-        "-m", "--model",
+        "-m",
+        "--model",
         help="Target model: a .gguf file, a name from the config ([models] or [pairs]), "
         "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
     ),
@@ -42,21 +43,43 @@ ModelOpt = Annotated[
 DraftOpt = Annotated[
     str | None,
     typer.Option(
-        "-d", "-md", "--draft",
+        "-d",
+        "-md",
+        "--draft",
         help="Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
         "target-only decoding.",
     ),
 ]
-CtxOpt = Annotated[int | None, typer.Option("-c", "--ctx-size", min=0, help="Context size in "
-                   "tokens (0: the model's own, at most 4096).")]
-ThreadsOpt = Annotated[int | None, typer.Option("-t", "--threads", min=0,
-                       help="CPU threads for the target (0: physical cores).")]
-ThreadsDraftOpt = Annotated[int | None, typer.Option("-td", "--threads-draft", min=0,
-                            help="CPU threads for the draft (default: as -t).")]
-NglOpt = Annotated[int | None, typer.Option("-ngl", "--n-gpu-layers",
-                   help="Target layers to offload to the GPU (0: CPU only, -1: all).")]
-NgldOpt = Annotated[int | None, typer.Option("-ngld", "--n-gpu-layers-draft",
-                    help="Draft layers to offload to the GPU (0: CPU only, -1: all).")]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-c", "--ctx-size", min=0, help="Context size in tokens (0: the model's own, at most 4096)."
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option("-t", "--threads", min=0, help="CPU threads for the target (0: physical cores)."),
+]
+ThreadsDraftOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-td", "--threads-draft", min=0, help="CPU threads for the draft (default: as -t)."
+    ),
+]
+NglOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (0: CPU only, -1: all)."
+    ),
+]
+NgldOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-ngld",
+        "--n-gpu-layers-draft",
+        help="Draft layers to offload to the GPU (0: CPU only, -1: all).",
+    ),
+]
 
 
 class FlashAttn(str, Enum):
@@ -66,30 +89,67 @@ class FlashAttn(str, Enum):
 
 
 FlashOpt = Annotated[FlashAttn, typer.Option("-fa", "--flash-attn", help="Flash attention.")]
-TempOpt = Annotated[float | None, typer.Option("--temp", min=0.0,
-                    help="Temperature; 0 is greedy. [default: 0.8]")]
-TopKOpt = Annotated[int | None, typer.Option("--top-k", min=0,
-                    help="Keep the k most likely tokens; 0 is off. [default: 40]")]
-TopPOpt = Annotated[float | None, typer.Option("--top-p", min=0.0, max=1.0,
-                    help="Keep the smallest set with this much mass; 1 is off. [default: 0.95]")]
-MinPOpt = Annotated[float | None, typer.Option("--min-p", min=0.0, max=1.0,
-                    help="Drop tokens below min-p x the top probability; 0 is off. "
-                    "[default: 0.05]")]
-SeedOpt = Annotated[int | None, typer.Option("--seed", help="Random seed; -1 picks one "
-                    "(and reports it). [default: -1]")]
-DraftMaxOpt = Annotated[int, typer.Option("--draft-max", min=1,
-                        help="With -k auto: the longest draft.")]
-DraftMinOpt = Annotated[int, typer.Option("--draft-min", min=0,
-                        help="With -k auto: the shortest draft.")]
-DraftPMinOpt = Annotated[float, typer.Option("--draft-p-min", min=0.0, max=1.0,
-                         help="Stop drafting when the draft's top probability falls below "
-                         "this.")]
-NgramMinOpt = Annotated[int, typer.Option("--ngram-min", min=1,
-                        help="With -d ngram: the shortest n-gram to look up.")]
-NgramMaxOpt = Annotated[int, typer.Option("--ngram-max", min=1,
-                        help="With -d ngram: the longest n-gram to look up (tried first).")]
-ConfigOpt = Annotated[str | None, typer.Option("--config", help="Config file of named models "
-                      "and pairs (default: $SPECDEC_CONFIG, then the user config dir).")]
+TempOpt = Annotated[
+    float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. [default: 0.8]")
+]
+TopKOpt = Annotated[
+    int | None,
+    typer.Option("--top-k", min=0, help="Keep the k most likely tokens; 0 is off. [default: 40]"),
+]
+TopPOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        help="Keep the smallest set with this much mass; 1 is off. [default: 0.95]",
+    ),
+]
+MinPOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--min-p",
+        min=0.0,
+        max=1.0,
+        help="Drop tokens below min-p x the top probability; 0 is off. [default: 0.05]",
+    ),
+]
+SeedOpt = Annotated[
+    int | None,
+    typer.Option("--seed", help="Random seed; -1 picks one (and reports it). [default: -1]"),
+]
+DraftMaxOpt = Annotated[
+    int, typer.Option("--draft-max", min=1, help="With -k auto: the longest draft.")
+]
+DraftMinOpt = Annotated[
+    int, typer.Option("--draft-min", min=0, help="With -k auto: the shortest draft.")
+]
+DraftPMinOpt = Annotated[
+    float,
+    typer.Option(
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        help="Stop drafting when the draft's top probability falls below this.",
+    ),
+]
+NgramMinOpt = Annotated[
+    int, typer.Option("--ngram-min", min=1, help="With -d ngram: the shortest n-gram to look up.")
+]
+NgramMaxOpt = Annotated[
+    int,
+    typer.Option(
+        "--ngram-max", min=1, help="With -d ngram: the longest n-gram to look up (tried first)."
+    ),
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        help="Config file of named models "
+        "and pairs (default: $SPECDEC_CONFIG, then the user config dir).",
+    ),
+]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 
 
@@ -142,9 +202,9 @@ def engine_options(
     parse_k(k)
     options = EngineOptions(
         target=locate_model(target_spec.path, config),
-        draft="ngram" if draft and draft.lower() == "ngram" else (
-            locate_draft(draft, config) if draft else None
-        ),
+        draft="ngram"
+        if draft and draft.lower() == "ngram"
+        else (locate_draft(draft, config) if draft else None),
         n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
         threads=_pick(threads, target_spec.threads, 0),
         threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
@@ -167,22 +227,49 @@ def _pick(*values):
 def run(
     model: ModelOpt,
     draft: DraftOpt = None,
-    k: Annotated[str | None, typer.Option("-k", "--draft-length", help="Tokens to draft "
-                 "per round, or 'auto' to choose each round. [default: 5]")] = None,
-    prompt: Annotated[str | None, typer.Option("-p", "--prompt", help="The prompt; '-' "
-                      "reads stdin (as does piping text in with no -p).")] = None,
-    file: Annotated[Path | None, typer.Option("-f", "--file", help="Read the prompt from "
-                    "this file.")] = None,
-    prompts: Annotated[Path | None, typer.Option("--prompts", help="One prompt per line: "
-                       "one independent generation each, JSON Lines out.")] = None,
-    n_predict: Annotated[int | None, typer.Option("-n", "--n-predict", min=1,
-                         help="Tokens to generate at most. [default: 256]")] = None,
-    stop: Annotated[list[str] | None, typer.Option("--stop", help="Stop when this text "
-                    "appears (not printed); repeatable.")] = None,
-    chat: Annotated[bool, typer.Option("--chat", help="Wrap the prompt in the target's "
-                    "chat template as a user message.")] = False,
-    system: Annotated[str | None, typer.Option("--system", help="With --chat: a system "
-                      "message.")] = None,
+    k: Annotated[
+        str | None,
+        typer.Option(
+            "-k",
+            "--draft-length",
+            help="Tokens to draft per round, or 'auto' to choose each round. [default: 5]",
+        ),
+    ] = None,
+    prompt: Annotated[
+        str | None,
+        typer.Option(
+            "-p",
+            "--prompt",
+            help="The prompt; '-' reads stdin (as does piping text in with no -p).",
+        ),
+    ] = None,
+    file: Annotated[
+        Path | None, typer.Option("-f", "--file", help="Read the prompt from this file.")
+    ] = None,
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help="One prompt per line: one independent generation each, JSON Lines out.",
+        ),
+    ] = None,
+    n_predict: Annotated[
+        int | None,
+        typer.Option("-n", "--n-predict", min=1, help="Tokens to generate at most. [default: 256]"),
+    ] = None,
+    stop: Annotated[
+        list[str] | None,
+        typer.Option("--stop", help="Stop when this text appears (not printed); repeatable."),
+    ] = None,
+    chat: Annotated[
+        bool,
+        typer.Option(
+            "--chat", help="Wrap the prompt in the target's chat template as a user message."
+        ),
+    ] = False,
+    system: Annotated[
+        str | None, typer.Option("--system", help="With --chat: a system message.")
+    ] = None,
     temp: TempOpt = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
@@ -199,8 +286,13 @@ def run(
     draft_p_min: DraftPMinOpt = 0.0,
     ngram_min: NgramMinOpt = 1,
     ngram_max: NgramMaxOpt = 4,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end "
-                       "(text and stats) instead of streaming text.")] = False,
+    as_json: Annotated[
+        bool,
+        typer.Option(
+            "--json",
+            help="Print one JSON object at the end (text and stats) instead of streaming text.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats.")] = False,
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
@@ -221,11 +313,26 @@ def run(
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
     options, defaults = engine_options(
-        model, draft, config, k=k, ctx_size=ctx_size, threads=threads,
-        threads_draft=threads_draft, n_gpu_layers=n_gpu_layers,
-        n_gpu_layers_draft=n_gpu_layers_draft, flash_attn=flash_attn, temp=temp,
-        top_k=top_k, top_p=top_p, min_p=min_p, draft_max=draft_max, draft_min=draft_min,
-        draft_p_min=draft_p_min, ngram_min=ngram_min, ngram_max=ngram_max, verbose=verbose,
+        model,
+        draft,
+        config,
+        k=k,
+        ctx_size=ctx_size,
+        threads=threads,
+        threads_draft=threads_draft,
+        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft,
+        flash_attn=flash_attn,
+        temp=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        draft_max=draft_max,
+        draft_min=draft_min,
+        draft_p_min=draft_p_min,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+        verbose=verbose,
     )
     n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
     seed = _pick(seed, defaults.get("seed"), -1)
@@ -238,8 +345,9 @@ def run(
         if prompts:
             _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat, system)
         else:
-            _run_one(engine, texts[0], n_predict, seed, tuple(stop or ()), chat, system,
-                     as_json, quiet)
+            _run_one(
+                engine, texts[0], n_predict, seed, tuple(stop or ()), chat, system, as_json, quiet
+            )
 
 
 @contextmanager
@@ -283,8 +391,15 @@ def _read_text(path: Path) -> str:
 
 
 def _run_one(
-    engine: Engine, text: str, n_predict: int, seed: int, stop: tuple[str, ...],
-    chat: bool, system: str | None, as_json: bool, quiet: bool,
+    engine: Engine,
+    text: str,
+    n_predict: int,
+    seed: int,
+    stop: tuple[str, ...],
+    chat: bool,
+    system: str | None,
+    as_json: bool,
+    quiet: bool,
 ) -> None:
     tokens = engine.tokenize(text, chat, system)
     stats = Stats()
@@ -305,8 +420,13 @@ def _run_one(
 
 
 def _run_many(
-    engine: Engine, texts: list[str], n_predict: int, seed: int, stop: tuple[str, ...],
-    chat: bool, system: str | None,
+    engine: Engine,
+    texts: list[str],
+    n_predict: int,
+    seed: int,
+    stop: tuple[str, ...],
+    chat: bool,
+    system: str | None,
 ) -> None:
     """One JSON line per prompt, each with its own random stream spawned from --seed."""
     streams = np.random.SeedSequence(seed).spawn(len(texts))
@@ -314,8 +434,9 @@ def _run_many(
         stats = Stats()
         tokens = engine.tokenize(text, chat, system)
         try:
-            out = "".join(engine.generate(tokens, n_predict, np.random.default_rng(stream),
-                                          stats, stop))
+            out = "".join(
+                engine.generate(tokens, n_predict, np.random.default_rng(stream), stats, stop)
+            )
         except KeyboardInterrupt:
             raise typer.Exit(130) from None
         record = {"index": index, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
@@ -324,49 +445,64 @@ def _run_many(
 
 # --- model commands (info, check) ---
 
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
 
 @app.command()
 def info(
-    model: str = typer.Argument(
-        ..., help="A .gguf file, a configured model name or a Hugging Face ref."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: Annotated[
+        str,
+        typer.Argument(
+            help="A .gguf file, a name from the config, or a Hugging Face ref (OWNER/REPO:Q4_K_M)."
+        ),
+    ],
+    as_json: JsonOpt = False,
+    config: ConfigOpt = None,
 ) -> None:
     """Show what a GGUF model is: architecture, size, vocabulary, quantisation.
 
     Reads only the file's header, so it is instant even for large models.
 
-    Example: specdec info models/qwen2.5-7b-instruct-q4_k_m.gguf
+    Example: specdec info models/qwen2.5-7b-instruct-q4_k_m.gguf --json
     """
     from specdec_cli import modelinfo
 
-    modelinfo.print_info(modelinfo.describe(modelinfo.load_model(model)), as_json=as_json)
+    facts = modelinfo.describe(modelinfo.load_model(model, config))
+    modelinfo.print_info(facts, as_json=as_json)
 
 
 @app.command()
 def check(
-    target: str = typer.Option(..., "-m", "--model", help="The target (big) model to speed up."),
-    draft: str = typer.Option(
-        ..., "-d", "-md", "--draft", help="The draft (small) model that proposes tokens."
-    ),
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    model: Annotated[
+        str,
+        typer.Option(
+            "-m", "--model", help="The target model to speed up (same forms as `specdec info`)."
+        ),
+    ],
+    draft: Annotated[
+        str,
+        typer.Option(
+            "-d", "-md", "--draft", help="The draft model that would propose tokens for it."
+        ),
+    ],
+    as_json: JsonOpt = False,
+    config: ConfigOpt = None,
 ) -> None:
-    """Check that a draft model can speed up a target: same tokenizer, same special tokens.
+    """Check that a draft model can serve a target: same vocabulary and special tokens.
 
-    Exit code 0 if they can be paired, 1 if not (every reason is printed).
+    Prints every reason they cannot. Exit code 0 if they can be paired, 1 if not.
 
     Example: specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
     """
     from specdec_cli import modelinfo
     from specdec_cli.compat import check_pair
 
-    target_model, draft_model = modelinfo.load_model(target), modelinfo.load_model(draft)
+    target_model = modelinfo.load_model(model, config)
+    draft_model = modelinfo.load_model(draft, config)
     report = check_pair(target_model, draft_model)
     modelinfo.print_check(target_model, draft_model, report, as_json=as_json)
     if not report.ok:
-        # sys.exit, not typer.Exit: main() runs the app with standalone_mode=False, where
-        # typer.Exit's code is returned instead of becoming the process exit status.
-        sys.exit(1)
+        raise typer.Exit(1)
 
 
 def main() -> None:

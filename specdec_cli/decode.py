@@ -28,11 +28,13 @@ class Decoder:
         drafter: Drafter | None,
         sampling: SamplingParams,
         length: DraftLength | None = None,
+        label: str = "0",
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.sampling = sampling
         self.length = length or FixedLength(0)
+        self.label = label  # how the user named the draft length: "4", "auto"
 
     def generate(
         self, prompt: list[int], n_predict: int, rng: np.random.Generator, stats: Stats
@@ -51,6 +53,7 @@ class Decoder:
                 "shorten the prompt or raise -c"
             )
         draft_ctx = getattr(drafter, "ctx", None)
+        stats.k = self.label
         t_start = time.perf_counter()
         # The target's cache holds every token but the last; the last goes into the
         # next verification batch, whose first row of logits predicts the next token.

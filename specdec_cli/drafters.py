@@ -110,7 +110,9 @@ class NgramDrafter:
     def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.greedy = greedy
-        self._last_end: dict[tuple[int, ...], int] = {}  # n-gram -> end index of its latest occurrence
+        self._last_end: dict[
+            tuple[int, ...], int
+        ] = {}  # n-gram -> end index of its latest occurrence
         self._indexed = 0  # n-grams ending before this index are in _last_end
 
     def begin(self, prompt: list[int]) -> None:

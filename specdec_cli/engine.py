@@ -75,29 +75,38 @@ class Engine:
         self.model = self._own(Model(options.target, options.n_gpu_layers))
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX)
         threads = options.threads or physical_cores()
-        self.target = self._own(Context(self.model, ContextParams(n_ctx, threads, options.flash_attn)))
-        self.draft_model: Model | None = None
-        self.drafter: Drafter | None = None
+        self.target = self._own(
+            Context(self.model, ContextParams(n_ctx, threads, options.flash_attn))
+        )
+        self.draft_ctx: Context | None = None
         if draft_path:
-            self.draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
+            draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
             # The draft must be able to hold the same sequence as the target.
             draft_params = ContextParams(
                 self.target.n_ctx, options.threads_draft or threads, options.flash_attn
             )
-            draft_ctx = self._own(Context(self.draft_model, draft_params))
-            self.drafter = ModelDrafter(draft_ctx, options.sampling, options.drafting.p_min)
-        elif options.draft == "ngram":
-            d = options.drafting
-            self.drafter = NgramDrafter(d.ngram_min, d.ngram_max, options.sampling.greedy)
-        self.decoder = Decoder(self.target, self.drafter, options.sampling, self._draft_length())
+            self.draft_ctx = self._own(Context(draft_model, draft_params))
+        default_kind = "model" if draft_path else ("ngram" if options.draft == "ngram" else None)
+        self.decoder = self.make_decoder(default_kind, options.drafting.k)
 
     def _own(self, obj):
         self._owned.append(obj)
         return obj
 
-    def _draft_length(self) -> DraftLength:
-        k = parse_k(self.options.drafting.k)
-        return FixedLength(k if k is not None else self.options.drafting.draft_max)
+    def make_decoder(self, kind: str | None, k: str) -> Decoder:
+        """A decoder drafting with `kind` ("model", "ngram" or None for target-only) and
+        draft length k (a number or "auto"). All decoders share the loaded models."""
+        d, sampling = self.options.drafting, self.options.sampling
+        drafter: Drafter | None = None
+        if kind == "model":
+            if self.draft_ctx is None:
+                raise UserError("no draft model is loaded; pass one with -d")
+            drafter = ModelDrafter(self.draft_ctx, sampling, d.p_min)
+        elif kind == "ngram":
+            drafter = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
+        n = parse_k(k)
+        length: DraftLength = FixedLength(n if n is not None else d.draft_max)
+        return Decoder(self.target, drafter, sampling, length, label=k if drafter else "0")
 
     def close(self) -> None:
         for obj in reversed(self._owned):
@@ -123,11 +132,11 @@ class Engine:
         rng: np.random.Generator,
         stats: Stats,
         stop: tuple[str, ...] = (),
+        decoder: Decoder | None = None,
     ) -> Iterator[str]:
         """Yield the generated text in pieces as the tokens are accepted."""
-        stats.k = self.options.drafting.k if self.drafter else "0"
         stream = TextStream(stop)
-        rounds = self.decoder.generate(prompt, n_predict, rng, stats)
+        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
         try:
             for new in rounds:
                 for token in new:

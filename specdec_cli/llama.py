@@ -95,11 +95,15 @@ class Model:
             llama_cpp.llama_model_free(self.ptr)
             self.ptr = None
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         data = text.encode()
         n_max = len(data) + 8
         buf = (llama_cpp.llama_token * n_max)()
-        n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, n_max, add_special, parse_special)
+        n = llama_cpp.llama_tokenize(
+            self.vocab, data, len(data), buf, n_max, add_special, parse_special
+        )
         if n < 0:  # too small: -n is the size needed
             n_max = -n
             buf = (llama_cpp.llama_token * n_max)()
@@ -230,7 +234,9 @@ class Context:
         """Row i of the last decode's logits (i counts the tokens that asked for logits;
         -1 is the last): a view into llama.cpp's buffer, valid until the next decode."""
         ptr = llama_cpp.llama_get_logits_ith(self.ptr, i)
-        return np.frombuffer(self._row_type.from_address(ctypes.addressof(ptr.contents)), np.float32)
+        return np.frombuffer(
+            self._row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
+        )
 
     def trim(self, n_keep: int) -> None:
         """Forget every cached token at position >= n_keep."""

@@ -107,9 +107,7 @@ def residual(p: Dist, q: Dist) -> Dist:
     return Dist(p.ids, r / total)
 
 
-def verify_greedy(
-    draft: Sequence[int], target_argmax: Callable[[int], int]
-) -> tuple[int, int]:
+def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
     """Accept the longest prefix where the draft equals the target's argmax.
 
     `target_argmax(i)` is the target's choice after the context plus draft[:i]. Rows

@@ -94,9 +94,7 @@ class Stats:
 
     def summary(self) -> str:
         """One plain line, for logs and pipes."""
-        line = (
-            f"{self.tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.1f} tok/s)"
-        )
+        line = f"{self.tokens} tokens in {self.seconds:.2f}s ({self.tokens_per_second:.1f} tok/s)"
         if self.drafted:
             line += (
                 f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.1%})"

@@ -57,8 +57,18 @@ def test_mismatched_vocabulary(target_model: Path, other_vocab_model: Path) -> N
 
 
 def test_padded_vocabulary_only_warns(target_model: Path, padded_vocab_model: Path) -> None:
-    result = specdec("run", "-m", str(target_model), "-d", str(padded_vocab_model), "-p", "hi",
-                     "-n", "8", *GREEDY)
+    result = specdec(
+        "run",
+        "-m",
+        str(target_model),
+        "-d",
+        str(padded_vocab_model),
+        "-p",
+        "hi",
+        "-n",
+        "8",
+        *GREEDY,
+    )
     assert result.returncode == 0, result.stderr
     assert "warning" in result.stderr and "pad" in result.stderr.lower()
 
@@ -90,20 +100,44 @@ def test_no_prompt_file(target_model: Path, tmp_path: Path) -> None:
 
 
 def test_json_output(target_model: Path, draft_model: Path) -> None:
-    result = specdec("run", "-m", str(target_model), "-d", str(draft_model), "-k", "3",
-                     "-p", "Once upon a time", "-n", "20", "--json", *GREEDY)
+    result = specdec(
+        "run",
+        "-m",
+        str(target_model),
+        "-d",
+        str(draft_model),
+        "-k",
+        "3",
+        "-p",
+        "Once upon a time",
+        "-n",
+        "20",
+        "--json",
+        *GREEDY,
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
-    for field in ("text", "tokens", "drafted", "accepted", "acceptance_rate", "target_passes",
-                  "tokens_per_second", "seconds", "k", "stop_reason"):
+    for field in (
+        "text",
+        "tokens",
+        "drafted",
+        "accepted",
+        "acceptance_rate",
+        "target_passes",
+        "tokens_per_second",
+        "seconds",
+        "k",
+        "stop_reason",
+    ):
         assert field in record
     assert record["tokens"] == 20 and record["stop_reason"] == "length"
     assert record["k"] == "3" and record["drafted"] >= record["accepted"] > 0
     assert result.stderr == ""  # the JSON replaces the summary line
 
 
-def test_text_equals_target_only_and_summary_is_one_line(target_model: Path,
-                                                         draft_model: Path) -> None:
+def test_text_equals_target_only_and_summary_is_one_line(
+    target_model: Path, draft_model: Path
+) -> None:
     args = ["-p", "Once upon a time", "-n", "24", *GREEDY]
     alone = specdec("run", "-m", str(target_model), *args)
     spec = specdec("run", "-m", str(target_model), "-d", str(draft_model), *args)
@@ -116,51 +150,90 @@ def test_text_equals_target_only_and_summary_is_one_line(target_model: Path,
 
 
 def test_prompt_from_stdin(target_model: Path) -> None:
-    from_flag = specdec("run", "-m", str(target_model), "-p", "Once upon a time", "-n", "10",
-                        *GREEDY)
-    piped = specdec("run", "-m", str(target_model), "-n", "10", *GREEDY,
-                    stdin="Once upon a time\n")
-    dash = specdec("run", "-m", str(target_model), "-p", "-", "-n", "10", *GREEDY,
-                   stdin="Once upon a time")
+    from_flag = specdec(
+        "run", "-m", str(target_model), "-p", "Once upon a time", "-n", "10", *GREEDY
+    )
+    piped = specdec("run", "-m", str(target_model), "-n", "10", *GREEDY, stdin="Once upon a time\n")
+    dash = specdec(
+        "run", "-m", str(target_model), "-p", "-", "-n", "10", *GREEDY, stdin="Once upon a time"
+    )
     assert piped.stdout == from_flag.stdout == dash.stdout != ""
 
 
 def test_stop_string_cuts_the_text(target_model: Path) -> None:
     full = specdec("run", "-m", str(target_model), "-p", "Once", "-n", "40", "-q", *GREEDY)
     stop = full.stdout[10:14]
-    cut = specdec("run", "-m", str(target_model), "-p", "Once", "-n", "40", "--json",
-                  "--stop", stop, *GREEDY)
+    cut = specdec(
+        "run", "-m", str(target_model), "-p", "Once", "-n", "40", "--json", "--stop", stop, *GREEDY
+    )
     record = json.loads(cut.stdout)
     assert record["stop_reason"] == "stop"
     assert record["text"] == full.stdout[: full.stdout.index(stop)]
 
 
-def test_prompts_file_gives_json_lines(target_model: Path, draft_model: Path,
-                                       tmp_path: Path) -> None:
+def test_prompts_file_gives_json_lines(
+    target_model: Path, draft_model: Path, tmp_path: Path
+) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n\nThe little dog\nOnce upon a time\n")
-    result = specdec("run", "-m", str(target_model), "-d", str(draft_model), "--prompts",
-                     str(prompts), "-n", "12", "--temp", "1", "--seed", "5", "-t", "1")
+    result = specdec(
+        "run",
+        "-m",
+        str(target_model),
+        "-d",
+        str(draft_model),
+        "--prompts",
+        str(prompts),
+        "-n",
+        "12",
+        "--temp",
+        "1",
+        "--seed",
+        "5",
+        "-t",
+        "1",
+    )
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["prompt"] for r in records] == ["Once upon a time", "The little dog",
-                                              "Once upon a time"]
+    assert [r["prompt"] for r in records] == [
+        "Once upon a time",
+        "The little dog",
+        "Once upon a time",
+    ]
     assert all(r["tokens"] == 12 for r in records)
     # Each prompt has its own random stream: the same prompt twice samples differently...
     assert records[0]["text"] != records[2]["text"]
     # ...and the whole file is reproducible from --seed.
-    again = specdec("run", "-m", str(target_model), "-d", str(draft_model), "--prompts",
-                    str(prompts), "-n", "12", "--temp", "1", "--seed", "5", "-t", "1")
+    again = specdec(
+        "run",
+        "-m",
+        str(target_model),
+        "-d",
+        str(draft_model),
+        "--prompts",
+        str(prompts),
+        "-n",
+        "12",
+        "--temp",
+        "1",
+        "--seed",
+        "5",
+        "-t",
+        "1",
+    )
     assert [json.loads(line)["text"] for line in again.stdout.splitlines()] == [
         r["text"] for r in records
     ]
 
 
 def test_closed_pipe_ends_quietly(target_model: Path) -> None:
-    command = (f"{sys.executable} -m specdec_cli run -m {target_model} -p Once -n 2000 "
-               f"-c 256 -t 1 --temp 0 | head -c 5")
-    result = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True,
-                            text=True, timeout=120)
+    command = (
+        f"{sys.executable} -m specdec_cli run -m {target_model} -p Once -n 2000 "
+        f"-c 256 -t 1 --temp 0 | head -c 5"
+    )
+    result = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=120
+    )
     assert len(result.stdout) == 5
     assert "Traceback" not in result.stderr and "Error" not in result.stderr
     assert result.returncode == 0
@@ -176,8 +249,9 @@ def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> N
             yield piece
 
     monkeypatch.setattr(Engine, "generate", interrupted)
-    result = CliRunner().invoke(cli.app, ["run", "-m", str(target_model), "-p", "Once",
-                                          "-n", "50", *GREEDY])
+    result = CliRunner().invoke(
+        cli.app, ["run", "-m", str(target_model), "-p", "Once", "-n", "50", *GREEDY]
+    )
     assert result.exit_code == 130
     assert "stop: interrupted" in result.stderr
     assert "6 tokens" in result.stderr  # the 6th was generated, then Ctrl-C came

@@ -9,8 +9,8 @@ import pytest
 from scipy.stats import chi2_contingency
 
 from specdec_cli.decode import Decoder
-from specdec_cli.draftlength import FixedLength
 from specdec_cli.drafters import Draft
+from specdec_cli.draftlength import FixedLength
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions
 from specdec_cli.sampling import GREEDY, SamplingParams
 from specdec_cli.stats import Stats
@@ -80,8 +80,9 @@ def test_greedy_draft_equal_to_target(target_model: Path, fixture_reference, k: 
 
 
 @pytest.mark.parametrize("k", K_VALUES)
-def test_greedy_smaller_draft(target_model: Path, draft_model: Path, fixture_reference,
-                              k: int) -> None:
+def test_greedy_smaller_draft(
+    target_model: Path, draft_model: Path, fixture_reference, k: int
+) -> None:
     with open_engine(target_model, draft_model, k) as engine:
         out, stats = generate(engine)
     assert out == fixture_reference
@@ -123,8 +124,9 @@ class WrongDrafter:
 
 def test_nothing_accepted(target_model: Path, fixture_reference) -> None:
     with open_engine(target_model) as engine:
-        drafter = WrongDrafter(fixture_reference, len(engine.tokenize(PROMPT)),
-                               engine.model.n_vocab)
+        drafter = WrongDrafter(
+            fixture_reference, len(engine.tokenize(PROMPT)), engine.model.n_vocab
+        )
         decoder = Decoder(engine.target, drafter, GREEDY, FixedLength(3))
         out, stats = generate(engine, decoder=decoder)
     assert out == fixture_reference
@@ -133,12 +135,16 @@ def test_nothing_accepted(target_model: Path, fixture_reference) -> None:
 
 
 @pytest.mark.parametrize("draft_kind", ["self", "small"])
-def test_eos_inside_an_accepted_draft(model_pair_factory, fixture_reference,
-                                      draft_kind: str) -> None:
+def test_eos_inside_an_accepted_draft(
+    model_pair_factory, fixture_reference, draft_kind: str
+) -> None:
     # Make EOS a token greedy decoding produces at a position that k=8 drafts cover.
     k = 8
-    position = next(i for i in range(3, 40) if i % (k + 1) != k
-                    and fixture_reference[i] not in fixture_reference[:i])
+    position = next(
+        i
+        for i in range(3, 40)
+        if i % (k + 1) != k and fixture_reference[i] not in fixture_reference[:i]
+    )
     eos = fixture_reference[position]
     target, small = model_pair_factory(eos)
     with open_engine(target, target if draft_kind == "self" else small, k) as engine:
@@ -170,8 +176,9 @@ def test_length_limit_is_exact(target_model: Path, fixture_reference) -> None:
     assert stats.stop_reason == "length" and stats.tokens == 13
 
 
-def test_generations_reuse_the_engine(target_model: Path, draft_model: Path,
-                                      fixture_reference) -> None:
+def test_generations_reuse_the_engine(
+    target_model: Path, draft_model: Path, fixture_reference
+) -> None:
     """A second generation starts from a clean cache in both models."""
     with open_engine(target_model, draft_model, 4) as engine:
         first, _ = generate(engine, n_predict=30)

@@ -60,8 +60,9 @@ def test_distribution_matches_reference(params: SamplingParams) -> None:
         logits = rng.normal(0, 2, N_VOCAB).astype(np.float32)
         d = distribution(logits, params)
         assert np.all(np.diff(d.ids) > 0)
-        np.testing.assert_allclose(dense(d), reference(logits.astype(np.float64), params),
-                                   atol=1e-9)
+        np.testing.assert_allclose(
+            dense(d), reference(logits.astype(np.float64), params), atol=1e-9
+        )
 
 
 def test_filters_cut_what_they_should() -> None:

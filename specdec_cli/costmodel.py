@@ -1,0 +1,102 @@
+"""What speculative decoding can gain at best, from acceptance and measured costs.
+
+Costs are in units of one target forward pass on one token:
+  c            the draft's cost per decode call (one token),
+  verify[n]    the target's cost to evaluate n tokens in one batch (verify[1] == 1).
+Target-only decoding costs 1 per token, so a speedup is tokens / cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from specdec_cli.llama import Context
+
+
+def expected_tokens_per_pass(alpha: float, k: int) -> float:
+    """Tokens one round yields when each draft token is accepted independently with
+    probability alpha: 1 + alpha + ... + alpha^k (Leviathan et al. 2023, eq. 1)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def expected_speedup(alpha: float, k: int, c: float, verify: Mapping[int, float]) -> float:
+    """Speedup of a perfect implementation drafting k tokens every round."""
+    return expected_tokens_per_pass(alpha, k) / (k * c + verify[k + 1])
+
+
+def ideal_speedup(
+    tokens: int,
+    draft_calls: int,
+    batch_sizes: Mapping[int, int],
+    c: float,
+    verify: Mapping[int, float],
+) -> float:
+    """Speedup a perfect implementation would reach on the rounds a run actually had:
+    the same tokens, draft calls and verification batches, with no time spent outside
+    llama.cpp. This is the bound a measured speedup is held against."""
+    cost = draft_calls * c + sum(verify[n] * rounds for n, rounds in batch_sizes.items())
+    return tokens / cost if cost > 0 else 0.0
+
+
+def best_expected_k(alpha: float, c: float, verify: Mapping[int, float]) -> tuple[int, float]:
+    """The k with the highest expected speedup among those verify covers, and that speedup."""
+    ks = [n - 1 for n in verify if n >= 2]
+    best = max(ks, key=lambda k: expected_speedup(alpha, k, c, verify))
+    return best, expected_speedup(alpha, best, c, verify)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Measured costs: seconds for one target token, and the ratios above."""
+
+    target_seconds: float
+    draft_over_target: float
+    verify: dict[int, float]
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "target_ms_per_token": round(self.target_seconds * 1e3, 4),
+            "draft_over_target": round(self.draft_over_target, 4),
+            "verify_cost": {str(n): round(v, 4) for n, v in sorted(self.verify.items())},
+        }
+
+
+def measure_costs(
+    target: Context, draft: Context | None, sizes: Iterable[int], reps: int = 7
+) -> Costs:
+    """Time the target on batches of each size in `sizes` and the draft on one token;
+    sizes in between are interpolated linearly.
+
+    Each batch is evaluated after a short context and then cut away again, so the
+    caches are left empty. Medians over `reps`, after one untimed warm-up each.
+    """
+    context = [target.model.bos] * 8
+
+    def seconds(ctx: Context, n: int) -> float:
+        ctx.trim(0)
+        ctx.decode(context, 0)
+        times = []
+        for rep in range(reps + 1):
+            before = ctx.decode_seconds
+            ctx.decode(context[:1] * n, len(context), all_logits=True)
+            ctx.trim(len(context))
+            if rep:  # the first is a warm-up
+                times.append(ctx.decode_seconds - before)
+        ctx.trim(0)
+        return statistics.median(times)
+
+    measured = {n: seconds(target, n) for n in sorted({1, *sizes})}
+    one = measured[1]
+    c = seconds(draft, 1) / one if draft is not None else 0.0
+    ns = list(measured)
+    ratios = [measured[n] / one for n in ns]
+    verify = {n: float(np.interp(n, ns, ratios)) for n in range(1, ns[-1] + 1)}
+    return Costs(one, c, verify)

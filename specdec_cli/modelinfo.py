@@ -1,0 +1,132 @@
+"""The `specdec info` and `specdec check` commands: describe a model, vet a draft/target pair."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from specdec_cli.compat import CompatReport
+from specdec_cli.config import load_config
+from specdec_cli.gguf_meta import GGUFFile, read_gguf
+from specdec_cli.models import locate_model
+
+
+def load_model(ref: str, config_path: str | None = None) -> GGUFFile:
+    """Resolve a model reference (path, config name, Hugging Face ref) and read its header."""
+    return read_gguf(locate_model(ref, load_config(config_path)))
+
+
+def human_count(n: int) -> str:
+    """46200000 -> '46.2M'."""
+    for divisor, suffix in ((10**12, "T"), (10**9, "B"), (10**6, "M"), (10**3, "K")):
+        if n >= divisor:
+            return f"{n / divisor:.1f}{suffix}"
+    return str(n)
+
+
+def human_bytes(n: int) -> str:
+    """1185376 -> '1.2 MB' (decimal units, as model hubs show sizes)."""
+    for divisor, suffix in ((10**12, "TB"), (10**9, "GB"), (10**6, "MB"), (10**3, "kB")):
+        if n >= divisor:
+            return f"{n / divisor:.1f} {suffix}"
+    return f"{n} B"
+
+
+def _special_token(model: GGUFFile, token_id: int | None) -> dict[str, object] | None:
+    if token_id is None:
+        return None
+    text = model.tokens[token_id] if 0 <= token_id < len(model.tokens) else None
+    return {"id": token_id, "text": text}
+
+
+def describe(model: GGUFFile) -> dict[str, object]:
+    """The facts `specdec info` shows, as JSON-ready values (counts and sizes unformatted)."""
+    return {
+        "file": str(model.path),
+        "architecture": model.architecture,
+        "parameters": model.n_params,
+        "layers": model.n_layers,
+        "embedding_width": model.embedding_length,
+        "context_length": model.context_length,
+        "vocab_type": model.vocab_type,
+        "vocab_size": len(model.tokens),
+        "bos": _special_token(model, model.bos_id),
+        "eos": _special_token(model, model.eos_id),
+        "quantization": model.quantization,
+        "file_size": model.file_size,
+        "chat_template": model.chat_template is not None,
+        "split_count": model.split_count,
+    }
+
+
+def _token_text(token: dict[str, object] | None) -> str:
+    if token is None:
+        return "none"
+    return f"{token['id']} {token['text']!r}" if token["text"] is not None else str(token["id"])
+
+
+def _info_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
+    """The facts as (label, human text) rows, in display order."""
+
+    def text(value: object) -> str:
+        return "unknown" if value is None else str(value)
+
+    rows = [
+        ("file", text(facts["file"])),
+        ("architecture", text(facts["architecture"])),
+        ("parameters", human_count(facts["parameters"])),
+        ("layers", text(facts["layers"])),
+        ("embedding width", text(facts["embedding_width"])),
+        ("context length (trained)", text(facts["context_length"])),
+        ("vocabulary", f"{text(facts['vocab_type'])}, {facts['vocab_size']} tokens"),
+        ("BOS", _token_text(facts["bos"])),
+        ("EOS", _token_text(facts["eos"])),
+        ("quantization", text(facts["quantization"])),
+        ("file size", human_bytes(facts["file_size"])),
+        ("chat template", "yes" if facts["chat_template"] else "no"),
+    ]
+    if facts["split_count"] > 1:
+        rows.append(("split", f"{facts['split_count']} files (parameters: this file only)"))
+    return rows
+
+
+def print_info(facts: dict[str, object], *, as_json: bool) -> None:
+    """JSON, a table on a terminal, or `label: value` lines for pipes and scripts."""
+    if as_json:
+        print(json.dumps(facts))
+        return
+    rows = _info_rows(facts)
+    if not sys.stdout.isatty():
+        for label, value in rows:
+            print(f"{label}: {value}")
+        return
+    table = Table(show_header=False, box=None)
+    table.add_column(style="bold")
+    table.add_column()
+    for label, value in rows:
+        # Text, not str: token texts like [PAD] must not be read as rich markup.
+        table.add_row(Text(label), Text(value))
+    Console().print(table)
+
+
+def print_check(target: GGUFFile, draft: GGUFFile, report: CompatReport, *, as_json: bool) -> None:
+    """Print the verdict on a draft/target pair, with every problem and warning."""
+    if as_json:
+        print(
+            json.dumps({"target": str(target.path), "draft": str(draft.path), **report.to_dict()})
+        )
+        return
+    print(f"target: {target.path}")
+    print(f"draft:  {draft.path}")
+    if report.ok:
+        print("result: compatible, the draft can be used with this target")
+    else:
+        print("result: NOT compatible")
+    for problem in report.problems:
+        print(f"problem: {problem}")
+    for warning in report.warnings:
+        print(f"warning: {warning}")
