@@ -14,8 +14,9 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
 from specdec_cli.config import PairSpec, load_config
-from specdec_cli.display import make_display, warn
+from specdec_cli.display import bench_progress, make_display, print_bench, warn, write_plot
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_k
 from specdec_cli.errors import UserError
 from specdec_cli.models import locate_draft, locate_model
@@ -441,6 +442,124 @@ def _run_many(
             raise typer.Exit(130) from None
         record = {"index": index, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
         print(json.dumps(record), flush=True)
+
+
+@app.command()
+def bench(
+    model: ModelOpt,
+    draft: Annotated[
+        list[str] | None,
+        typer.Option(
+            "-d",
+            "-md",
+            "--draft",
+            help="Drafter(s) to measure: a draft model (same forms as -m) and/or 'ngram'. "
+            "Repeatable.",
+        ),
+    ] = None,
+    k: Annotated[
+        str, typer.Option("-k", "--draft-length", help="Draft lengths to try, e.g. 1,2,4,8,auto.")
+    ] = "1,2,4,8",
+    prompts: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompts",
+            help="One prompt per line (default: a built-in set of "
+            "story, code, list, factual and copy prompts).",
+        ),
+    ] = None,
+    n_predict: Annotated[
+        int, typer.Option("-n", "--n-predict", min=1, help="Tokens per generation.")
+    ] = 128,
+    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Repeats of the whole set.")] = 3,
+    temp: TempOpt = 0.0,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    seed: Annotated[int, typer.Option("--seed", help="Random seed (sampling only).")] = 0,
+    ctx_size: CtxOpt = None,
+    threads: ThreadsOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
+    n_gpu_layers: NglOpt = None,
+    n_gpu_layers_draft: NgldOpt = None,
+    flash_attn: FlashOpt = FlashAttn.auto,
+    draft_max: DraftMaxOpt = 16,
+    draft_min: DraftMinOpt = 0,
+    draft_p_min: DraftPMinOpt = 0.0,
+    ngram_min: NgramMinOpt = 1,
+    ngram_max: NgramMaxOpt = 4,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Write every figure to this JSON file.")
+    ] = None,
+    plot_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--plot", help="Write a PNG of tokens/s and acceptance against k (needs matplotlib)."
+        ),
+    ] = None,
+    config: ConfigOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Measure speedup, acceptance and cost: target-only vs every drafter and k, side by side.
+
+    Loads the models once, runs all variants interleaved on the same prompts (warm-up
+    excluded), measures the draft's cost and the target's cost of verifying n tokens,
+    and reports the speedup a perfect implementation would reach with the measured
+    acceptance, so you see why speculation pays or does not.
+
+    Example: specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
+    """
+    drafts = draft or []
+    model_drafts = [d for d in drafts if d.lower() != "ngram"]
+    if len(model_drafts) > 1:
+        raise UserError("bench measures one draft model at a time; pass one -d MODEL")
+    if not drafts:
+        raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
+    options, _ = engine_options(
+        model,
+        model_drafts[0] if model_drafts else "ngram",
+        config,
+        k="1",
+        ctx_size=ctx_size,
+        threads=threads,
+        threads_draft=threads_draft,
+        n_gpu_layers=n_gpu_layers,
+        n_gpu_layers_draft=n_gpu_layers_draft,
+        flash_attn=flash_attn,
+        temp=temp,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        draft_max=draft_max,
+        draft_min=draft_min,
+        draft_p_min=draft_p_min,
+        ngram_min=ngram_min,
+        ngram_max=ngram_max,
+        verbose=verbose,
+    )
+    kinds = ["model" if d.lower() != "ngram" else "ngram" for d in drafts]
+    variant_list = variants(
+        list(dict.fromkeys(kinds)), [x.strip() for x in k.split(",") if x.strip()]
+    )
+    texts = (
+        {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
+        if prompts
+        else BUILTIN_PROMPTS
+    )
+    with Engine(options) as engine, ends_quietly_on_closed_pipe():
+        for message in engine.warnings:
+            warn(message)
+        total = len(variant_list) * len(texts) * repeat
+        with bench_progress(total) as advance:
+            report = run_bench(engine, variant_list, texts, n_predict, repeat, seed, advance)
+    print_bench(report)
+    if json_path:
+        try:
+            json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        except OSError as err:
+            raise UserError(f"cannot write {json_path}: {err.strerror or err}") from None
+    if plot_path:
+        write_plot(report, str(plot_path))
 
 
 # --- model commands (info, check) ---

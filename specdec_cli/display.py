@@ -7,12 +7,25 @@ the end, so that pipes and log files stay parseable.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol
 
 from rich.console import Console, Group
 from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
 from rich.text import Text
 
+from specdec_cli.bench import BenchReport
+from specdec_cli.errors import UserError
 from specdec_cli.stats import Stats
 
 
@@ -124,3 +137,128 @@ def make_display(as_json: bool, quiet: bool) -> Display:
     if not quiet and sys.stderr.isatty():
         return LiveDisplay(show_text=not as_json, summary=not as_json)
     return PlainDisplay(show_text=not as_json, summary=not (as_json or quiet))
+
+
+BENCH_COLUMNS = (
+    "variant",
+    "tok/s",
+    "min-max",
+    "speedup",
+    "accept",
+    "tok/pass",
+    "draft",
+    "verify",
+    "other",
+    "ideal",
+    "effic.",
+)
+
+
+def bench_rows(report: BenchReport) -> list[list[str]]:
+    rows = []
+    best = report.best()
+    for result in report.results:
+        d = report.variant_dict(result)
+        share = d["time_share"]
+        speculative = result.variant.drafter is not None
+        rows.append(
+            [
+                d["name"] + (" *" if result is best and speculative else ""),
+                f"{d['tokens_per_second']:.1f}",
+                f"{d['tokens_per_second_min']:.1f}-{d['tokens_per_second_max']:.1f}",
+                f"{d['speedup']:.2f}x",
+                f"{d['acceptance_rate']:.1%}" if speculative else "-",
+                f"{d['tokens_per_pass']:.2f}",
+                f"{share['draft']:.0%}",
+                f"{share['verify']:.0%}",
+                f"{share['other']:.0%}",
+                f"{d['theoretical_speedup']:.2f}x" if speculative else "-",
+                f"{d['efficiency']:.0%}" if speculative else "-",
+            ]
+        )
+    return rows
+
+
+def print_bench(report: BenchReport) -> None:
+    """A rich table on a terminal; whitespace-separated columns when piped."""
+    rows = bench_rows(report)
+    c = report.costs
+    costs = (
+        f"costs: target {c.target_seconds * 1e3:.2f} ms/token, draft {c.draft_over_target:.3f} "
+        f"of that, verify n tokens: "
+        + " ".join(f"{n}:{v:.2f}" for n, v in sorted(c.verify.items()))
+    )
+    if not sys.stdout.isatty():
+        print("\t".join(BENCH_COLUMNS))
+        for row in rows:
+            print("\t".join(row))
+        print(f"# {costs}")
+        print(f"# {report.verdict()}")
+        return
+    table = Table(
+        title=f"{len(report.prompts)} prompts x {report.repeat} repeats, "
+        f"{report.n_predict} tokens each (medians over repeats)"
+    )
+    for name in BENCH_COLUMNS:
+        table.add_column(name, justify="left" if name == "variant" else "right")
+    for row in rows:
+        table.add_row(*row, style="bold green" if row[0].endswith(" *") else None)
+    console = Console()
+    console.print(table)
+    console.print(costs, style="dim")
+    console.print(
+        "draft / verify / other: shares of wall time; ideal: the speedup with zero "
+        "overhead at this acceptance; effic.: speedup / ideal",
+        style="dim",
+    )
+    console.print(report.verdict(), style="bold")
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    """tokens/s and acceptance rate against k, one line per drafter."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError(
+            "--plot needs matplotlib: pip install 'specdec-cli[plot]' (or drop --plot)"
+        ) from None
+    fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    base = report.median_speed(report.baseline)
+    speed_ax.axhline(base, color="grey", linestyle="--", label="target only")
+    for drafter in dict.fromkeys(r.variant.drafter for r in report.results[1:]):
+        mine = [r for r in report.results[1:] if r.variant.drafter == drafter]
+        labels = [r.variant.k for r in mine]
+        speed_ax.plot(labels, [report.median_speed(r) for r in mine], marker="o", label=drafter)
+        accept_ax.plot(labels, [r.total().acceptance_rate for r in mine], marker="o", label=drafter)
+    speed_ax.set(xlabel="k", ylabel="tokens/s", title="speed")
+    accept_ax.set(xlabel="k", ylabel="acceptance rate", title="acceptance", ylim=(0, 1))
+    speed_ax.legend()
+    accept_ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as err:
+        raise UserError(f"cannot write the plot to {path}: {err.strerror or err}") from None
+    finally:
+        plt.close(fig)
+
+
+@contextmanager
+def bench_progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A progress bar on a terminal (a sweep takes minutes); nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield lambda name: None
+        return
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("benchmark", total=total)
+        yield lambda name: progress.update(task, advance=1, description=name)

@@ -97,16 +97,17 @@ class Engine:
         """A decoder drafting with `kind` ("model", "ngram" or None for target-only) and
         draft length k (a number or "auto"). All decoders share the loaded models."""
         d, sampling = self.options.drafting, self.options.sampling
-        drafter: Drafter | None = None
+        if kind is None:
+            return Decoder(self.target, None, sampling)
         if kind == "model":
             if self.draft_ctx is None:
                 raise UserError("no draft model is loaded; pass one with -d")
-            drafter = ModelDrafter(self.draft_ctx, sampling, d.p_min)
-        elif kind == "ngram":
+            drafter: Drafter = ModelDrafter(self.draft_ctx, sampling, d.p_min)
+        else:
             drafter = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
         n = parse_k(k)
         length: DraftLength = FixedLength(n if n is not None else d.draft_max)
-        return Decoder(self.target, drafter, sampling, length, label=k if drafter else "0")
+        return Decoder(self.target, drafter, sampling, length, label=k)
 
     def close(self) -> None:
         for obj in reversed(self._owned):

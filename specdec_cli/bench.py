@@ -1,0 +1,236 @@
+"""`specdec bench`: target-only and speculative variants, measured side by side.
+
+Variants run interleaved (for each repeat, for each prompt, every variant in turn)
+so that machine noise hits them alike. Each variant's figures come from the same
+Stats the decode loop keeps in `run`, and the cost model turns the measured
+acceptance and costs into the speedup a perfect implementation would reach.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from specdec_cli import costmodel
+from specdec_cli.costmodel import Costs
+from specdec_cli.decode import Decoder
+from specdec_cli.engine import Engine, parse_k
+from specdec_cli.stats import Stats
+
+BUILTIN_PROMPTS = {
+    "story": "Once upon a time, in a small village by the sea, there lived a girl who",
+    "code": 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
+    "list": "Things to pack for a camping trip:\n1. A tent\n2. A sleeping bag\n3.",
+    "factual": "The sun is a star. It is very big and very hot. The moon",
+    "copy": (
+        "Rewrite the list, changing red to blue.\n"
+        "- a red ball on the floor\n- a red car in the street\n- a red hat on the dog\n"
+        "Rewritten:\n- a blue ball on the floor\n-"
+    ),
+}
+
+WARMUP_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Variant:
+    drafter: str | None  # "model", "ngram" or None for the target alone
+    k: str = "0"
+
+    @property
+    def name(self) -> str:
+        if self.drafter is None:
+            return "target only"
+        return f"{self.drafter} k={self.k}"
+
+
+@dataclass
+class VariantResult:
+    variant: Variant
+    # One Stats per (repeat, prompt), in that order.
+    runs: list[Stats] = field(default_factory=list)
+
+    def repeat_speeds(self, n_prompts: int) -> list[float]:
+        """Tokens/s of each repeat over the whole prompt set."""
+        chunks = [self.runs[i : i + n_prompts] for i in range(0, len(self.runs), n_prompts)]
+        return [sum(s.tokens for s in c) / sum(s.seconds for s in c) for c in chunks]
+
+    def total(self) -> Stats:
+        """All runs added up, for acceptance, passes and the time split."""
+        out = Stats(k=self.variant.k)
+        for s in self.runs:
+            out.tokens += s.tokens
+            out.drafted += s.drafted
+            out.accepted += s.accepted
+            out.target_passes += s.target_passes
+            out.draft_calls += s.draft_calls
+            out.seconds += s.seconds
+            out.draft_seconds += s.draft_seconds
+            out.verify_seconds += s.verify_seconds
+            out.batch_sizes.update(s.batch_sizes)
+            out.draft_lengths.update(s.draft_lengths)
+        return out
+
+
+@dataclass
+class BenchReport:
+    prompts: dict[str, str]
+    results: list[VariantResult]
+    costs: Costs
+    n_predict: int
+    repeat: int
+
+    @property
+    def baseline(self) -> VariantResult:
+        return self.results[0]
+
+    def median_speed(self, result: VariantResult) -> float:
+        return statistics.median(result.repeat_speeds(len(self.prompts)))
+
+    def speedup(self, result: VariantResult) -> float:
+        """Ratio of medians, both measured in this run."""
+        return self.median_speed(result) / self.median_speed(self.baseline)
+
+    def ideal_speedup(self, result: VariantResult) -> float:
+        t = result.total()
+        c = self.costs.draft_over_target if result.variant.drafter == "model" else 0.0
+        return costmodel.ideal_speedup(t.tokens, t.draft_calls, t.batch_sizes, c, self.costs.verify)
+
+    def best(self) -> VariantResult:
+        return max(self.results[1:], key=self.median_speed, default=self.baseline)
+
+    def speed_by_prompt(self, result: VariantResult) -> dict[str, float]:
+        """Median tokens/s per prompt over the repeats."""
+        n = len(self.prompts)
+        return {
+            name: statistics.median(s.tokens_per_second for s in result.runs[i::n])
+            for i, name in enumerate(self.prompts)
+        }
+
+    def verdict(self) -> str:
+        """One plain sentence: what pays, or why nothing does."""
+        best = self.best()
+        if best is self.baseline:
+            return "no speculative variant was run"
+        gain = self.speedup(best)
+        if gain >= 1.0:
+            return f"best: {best.variant.name}, {gain:.2f}x the target alone"
+        t = best.total()
+        alpha = t.acceptance_rate
+        c = self.costs.draft_over_target if best.variant.drafter == "model" else 0.0
+        reason = []
+        if alpha < 0.5:
+            reason.append(f"the draft's tokens are accepted only {alpha:.0%} of the time")
+        if c > 0.1:
+            reason.append(
+                f"one draft token costs {c:.2f} of a target token (aim for under 0.1: "
+                "a draft 10-20x smaller)"
+            )
+        _, bound = costmodel.best_expected_k(alpha, c, self.costs.verify)
+        if bound < 1.0:
+            reason.append(f"with these figures even a perfect implementation reaches {bound:.2f}x")
+        if not reason:
+            reason.append(
+                f"our own overhead is {t.other_seconds / t.seconds:.0%} of the time; "
+                "rerun with more tokens (-n) to amortize it"
+            )
+        return f"speculation does not pay here ({gain:.2f}x at best): " + "; ".join(reason)
+
+    def to_dict(self) -> dict[str, object]:
+        base = self.baseline
+        return {
+            "settings": {
+                "n_predict": self.n_predict,
+                "repeat": self.repeat,
+                "prompts": self.prompts,
+            },
+            "baseline": self.variant_dict(base),
+            "runs": [self.variant_dict(r) for r in self.results[1:]],
+            "best": self.best().variant.name,
+            "verdict": self.verdict(),
+            "cost": self.costs.to_dict(),
+        }
+
+    def variant_dict(self, result: VariantResult) -> dict[str, object]:
+        speeds = result.repeat_speeds(len(self.prompts))
+        t = result.total()
+        seconds = t.seconds or 1.0
+        out: dict[str, object] = {
+            "name": result.variant.name,
+            "drafter": result.variant.drafter,
+            "k": result.variant.k,
+            "tokens_per_second": round(statistics.median(speeds), 2),
+            "tokens_per_second_min": round(min(speeds), 2),
+            "tokens_per_second_max": round(max(speeds), 2),
+            "tokens_per_second_by_prompt": {
+                name: round(v, 2) for name, v in self.speed_by_prompt(result).items()
+            },
+            "speedup": round(self.speedup(result), 4),
+            "acceptance_rate": round(t.acceptance_rate, 4),
+            "tokens_per_pass": round(t.tokens_per_pass, 4),
+            "k_mean": round(t.mean_k, 3),
+            "time_share": {
+                "draft": round(t.draft_seconds / seconds, 4),
+                "verify": round(t.verify_seconds / seconds, 4),
+                "other": round(t.other_seconds / seconds, 4),
+            },
+        }
+        if result.variant.drafter is not None:
+            ideal = self.ideal_speedup(result)
+            out["theoretical_speedup"] = round(ideal, 4)
+            out["efficiency"] = round(self.speedup(result) / ideal, 4) if ideal else 0.0
+        return out
+
+
+def variants(drafters: Sequence[str], ks: Sequence[str]) -> list[Variant]:
+    """The baseline first, then every drafter at every k."""
+    for k in ks:
+        parse_k(k)
+    return [Variant(None), *(Variant(d, k) for d in drafters for k in ks)]
+
+
+def run_bench(
+    engine: Engine,
+    variant_list: list[Variant],
+    prompts: dict[str, str],
+    n_predict: int,
+    repeat: int,
+    seed: int,
+    advance: Callable[[str], None] = lambda name: None,
+) -> BenchReport:
+    """Measure every variant on every prompt, `repeat` times, interleaved."""
+    decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
+    tokenized = [engine.tokenize(p) for p in prompts.values()]
+    first_prompt = tokenized[0]
+    max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
+    costs = costmodel.measure_costs(engine.target, engine.draft_ctx, range(1, max_batch + 1))
+    for decoder in decoders:  # warm-up, not counted
+        _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
+    results = [VariantResult(v) for v in variant_list]
+    order = list(range(len(variant_list)))
+    for r in range(repeat):
+        for p, prompt in enumerate(tokenized):
+            # Rotate who goes first, so no variant always runs right after another.
+            shift = (r * len(tokenized) + p) % len(order)
+            for i in order[shift:] + order[:shift]:
+                stats = _generate(decoders[i], prompt, n_predict, seed + r)
+                results[i].runs.append(stats)
+                advance(variant_list[i].name)
+    return BenchReport(prompts, results, costs, n_predict, repeat)
+
+
+def _max_k(engine: Engine, variant: Variant) -> int:
+    if variant.drafter is None:
+        return 0
+    k = parse_k(variant.k)
+    return k if k is not None else engine.options.drafting.draft_max
+
+
+def _generate(decoder: Decoder, prompt: list[int], n_predict: int, seed: int) -> Stats:
+    stats = Stats()
+    for _ in decoder.generate(prompt, n_predict, np.random.default_rng(seed), stats):
+        pass
+    return stats

@@ -1,0 +1,119 @@
+"""Session-wide test models: tiny random llama GGUFs written by tests/ggufgen.py.
+
+Each file takes milliseconds to write; they live under pytest's tmp_path_factory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ggufgen import (
+    EOS_ID,
+    HParams,
+    Vocab,
+    first_layers,
+    llama_metadata,
+    llama_tensors,
+    pad_rows,
+    padded,
+    spm_vocab,
+    write_gguf,
+)
+
+TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
+# The draft is the target's first DRAFT_LAYERS layers. The target's later layers
+# add only WEAK_SCALE of a normal layer's output, so the draft's greedy choice
+# matches the target's about 60% of the time (measured: 0.49-0.59 over seeds 0-4).
+DRAFT_LAYERS = 2
+DRAFT_HPARAMS = replace(TARGET_HPARAMS, n_layer=DRAFT_LAYERS)
+WEAK_SCALE = 0.4
+SEED = 0
+N_PAD = 16  # padding tokens in padded_vocab_model: 495 + 16 = 511 tokens
+
+ModelPairFactory = Callable[[int], tuple[Path, Path]]
+
+
+def _target_tensors(vocab: Vocab) -> dict[str, np.ndarray]:
+    weak_layers = TARGET_HPARAMS.n_layer - DRAFT_LAYERS
+    return llama_tensors(TARGET_HPARAMS, vocab, SEED, weak_layers, WEAK_SCALE)
+
+
+@pytest.fixture(scope="session")
+def vocab() -> Vocab:
+    """The synthetic SentencePiece vocabulary (495 tokens) every test model uses."""
+    return spm_vocab()
+
+
+@pytest.fixture(scope="session")
+def model_pair_factory(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> ModelPairFactory:
+    """make(eos_token_id) -> (target, draft) paths; the weights do not depend on the EOS id.
+
+    So a test can generate with the default pair, pick a token that greedy
+    generation produces, and get the same models with that token as EOS.
+    """
+    made: dict[int, tuple[Path, Path]] = {}
+
+    def make(eos_token_id: int = EOS_ID) -> tuple[Path, Path]:
+        if eos_token_id not in made:
+            folder = tmp_path_factory.mktemp(f"pair-eos{eos_token_id}")
+            tensors = _target_tensors(vocab)
+            target = write_gguf(
+                folder / "target.gguf",
+                llama_metadata(TARGET_HPARAMS, vocab, eos_token_id),
+                tensors,
+            )
+            draft = write_gguf(
+                folder / "draft.gguf",
+                llama_metadata(DRAFT_HPARAMS, vocab, eos_token_id),
+                first_layers(tensors, DRAFT_LAYERS),
+            )
+            made[eos_token_id] = (target, draft)
+        return made[eos_token_id]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def target_model(model_pair_factory: ModelPairFactory) -> Path:
+    """4-layer target (n_embd 64, 4 heads / 2 KV heads, n_ff 128, n_ctx_train 256), EOS = 2."""
+    return model_pair_factory(EOS_ID)[0]
+
+
+@pytest.fixture(scope="session")
+def draft_model(model_pair_factory: ModelPairFactory) -> Path:
+    """2-layer draft: the target's first two layers; agrees with it ~60% of the time."""
+    return model_pair_factory(EOS_ID)[1]
+
+
+@pytest.fixture(scope="session")
+def other_vocab_model(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> Path:
+    """The draft with a foreign vocabulary: same size, but its word pieces are rot13'd."""
+    other = spm_vocab(rot13=True)
+    return write_gguf(
+        tmp_path_factory.mktemp("other-vocab") / "other-vocab.gguf",
+        llama_metadata(DRAFT_HPARAMS, other),
+        first_layers(_target_tensors(vocab), DRAFT_LAYERS),
+    )
+
+
+@pytest.fixture(scope="session")
+def padded_vocab_model(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> Path:
+    """The target plus N_PAD unused "[PADi]" tokens at the end (zero rows): same greedy output."""
+    return write_gguf(
+        tmp_path_factory.mktemp("padded-vocab") / "padded-vocab.gguf",
+        llama_metadata(TARGET_HPARAMS, padded(vocab, N_PAD)),
+        pad_rows(_target_tensors(vocab), N_PAD),
+    )
+
+
+@pytest.fixture(scope="session")
+def stories260k() -> Path:
+    """The real trained stories260K.gguf from ../shared/models, or skip if it is not there."""
+    path = Path(__file__).resolve().parents[1].parent / "shared" / "models" / "stories260K.gguf"
+    if not path.is_file():
+        pytest.skip(f"real model not found: {path} (see ../shared/models/README.md)")
+    return path
