@@ -70,6 +70,7 @@ class VariantResult:
             out.seconds += s.seconds
             out.draft_seconds += s.draft_seconds
             out.verify_seconds += s.verify_seconds
+            out.llama_seconds += s.llama_seconds
             out.batch_sizes.update(s.batch_sizes)
             out.draft_lengths.update(s.draft_lengths)
         return out
@@ -177,6 +178,13 @@ class BenchReport:
                 "verify": round(t.verify_seconds / seconds, 4),
                 "other": round(t.other_seconds / seconds, 4),
             },
+            # Over all runs: our wall clock, and llama.cpp's own clock of its decode calls
+            # in those runs. The difference is our overhead.
+            "tokens_per_second_all_runs": round(t.tokens_per_second, 2),
+            "llama_cpp_tokens_per_second": round(t.tokens / t.llama_seconds, 2)
+            if t.llama_seconds
+            else 0.0,
+            "overhead_share": round(1.0 - t.llama_seconds / seconds, 4),
         }
         if result.variant.drafter is not None:
             ideal = self.ideal_speedup(result)
@@ -206,7 +214,11 @@ def run_bench(
     tokenized = [engine.tokenize(p) for p in prompts.values()]
     first_prompt = tokenized[0]
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
-    costs = costmodel.measure_costs(engine.target, engine.draft_ctx, range(1, max_batch + 1))
+    # Costs are measured at a typical position of the runs: past the prompt, mid-output.
+    position = min(engine.target.n_ctx - max_batch - 1, 16 + n_predict // 2)
+    costs = costmodel.measure_costs(
+        engine.target, engine.draft_ctx, range(1, max_batch + 1), position=position
+    )
     for decoder in decoders:  # warm-up, not counted
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
     results = [VariantResult(v) for v in variant_list]

@@ -281,7 +281,7 @@ def run(
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,
     n_gpu_layers_draft: NgldOpt = None,
-    flash_attn: FlashOpt = FlashAttn.auto,
+    flash_attn: FlashOpt = FlashAttn.off,
     draft_max: DraftMaxOpt = 16,
     draft_min: DraftMinOpt = 0,
     draft_p_min: DraftPMinOpt = 0.0,
@@ -360,6 +360,13 @@ def ends_quietly_on_closed_pipe() -> Iterator[None]:
         # Point stdout at /dev/null so the interpreter's final flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         raise typer.Exit(0) from None
+
+
+def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max: int) -> int:
+    """Just enough context for the benchmark: a larger KV cache slows every decode down."""
+    longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
+    longest_prompt = max(len(t.encode()) for t in texts.values()) + 2  # tokens <= bytes + BOS
+    return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
 
 
 def _read_prompt(prompt: str | None, file: Path | None) -> str:
@@ -482,7 +489,7 @@ def bench(
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,
     n_gpu_layers_draft: NgldOpt = None,
-    flash_attn: FlashOpt = FlashAttn.auto,
+    flash_attn: FlashOpt = FlashAttn.off,
     draft_max: DraftMaxOpt = 16,
     draft_min: DraftMinOpt = 0,
     draft_p_min: DraftPMinOpt = 0.0,
@@ -515,12 +522,20 @@ def bench(
         raise UserError("bench measures one draft model at a time; pass one -d MODEL")
     if not drafts:
         raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
+    kinds = ["model" if d.lower() != "ngram" else "ngram" for d in drafts]
+    ks = [x.strip() for x in k.split(",") if x.strip()]
+    variant_list = variants(list(dict.fromkeys(kinds)), ks)
+    texts = (
+        {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
+        if prompts
+        else BUILTIN_PROMPTS
+    )
     options, _ = engine_options(
         model,
         model_drafts[0] if model_drafts else "ngram",
         config,
         k="1",
-        ctx_size=ctx_size,
+        ctx_size=ctx_size if ctx_size is not None else fit_context(texts, n_predict, ks, draft_max),
         threads=threads,
         threads_draft=threads_draft,
         n_gpu_layers=n_gpu_layers,
@@ -536,15 +551,6 @@ def bench(
         ngram_min=ngram_min,
         ngram_max=ngram_max,
         verbose=verbose,
-    )
-    kinds = ["model" if d.lower() != "ngram" else "ngram" for d in drafts]
-    variant_list = variants(
-        list(dict.fromkeys(kinds)), [x.strip() for x in k.split(",") if x.strip()]
-    )
-    texts = (
-        {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
-        if prompts
-        else BUILTIN_PROMPTS
     )
     with Engine(options) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:

@@ -70,33 +70,38 @@ class Costs:
 
 
 def measure_costs(
-    target: Context, draft: Context | None, sizes: Iterable[int], reps: int = 7
+    target: Context,
+    draft: Context | None,
+    sizes: Iterable[int],
+    reps: int = 9,
+    position: int = 8,
 ) -> Costs:
     """Time the target on batches of each size in `sizes` and the draft on one token;
     sizes in between are interpolated linearly.
 
-    Each batch is evaluated after a short context and then cut away again, so the
-    caches are left empty. Medians over `reps`, after one untimed warm-up each.
+    Batches are evaluated after `position` context tokens and cut away again, so the
+    caches are left empty. Sizes take turns within each repetition, so that a slow moment of the
+    machine does not land on one size only; medians, after one untimed round.
     """
-    context = [target.model.bos] * 8
-
-    def seconds(ctx: Context, n: int) -> float:
+    context = [target.model.bos] * position
+    sizes = sorted({1, *sizes})
+    contexts = [(target, n) for n in sizes] + ([(draft, 1)] if draft is not None else [])
+    times: dict[tuple[int, int], list[float]] = {}
+    for ctx, _ in contexts:
         ctx.trim(0)
         ctx.decode(context, 0)
-        times = []
-        for rep in range(reps + 1):
+    for rep in range(reps + 1):
+        for i, (ctx, n) in enumerate(contexts):
             before = ctx.decode_seconds
             ctx.decode(context[:1] * n, len(context), all_logits=True)
             ctx.trim(len(context))
-            if rep:  # the first is a warm-up
-                times.append(ctx.decode_seconds - before)
+            if rep:
+                times.setdefault((i, n), []).append(ctx.decode_seconds - before)
+    for ctx, _ in contexts:
         ctx.trim(0)
-        return statistics.median(times)
-
-    measured = {n: seconds(target, n) for n in sorted({1, *sizes})}
-    one = measured[1]
-    c = seconds(draft, 1) / one if draft is not None else 0.0
-    ns = list(measured)
-    ratios = [measured[n] / one for n in ns]
-    verify = {n: float(np.interp(n, ns, ratios)) for n in range(1, ns[-1] + 1)}
+    medians = [statistics.median(times[i, n]) for i, (_, n) in enumerate(contexts)]
+    one = medians[0]
+    ratios = [t / one for t in medians[: len(sizes)]]
+    c = medians[-1] / one if draft is not None else 0.0
+    verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
     return Costs(one, c, verify)

@@ -62,9 +62,11 @@ class Decoder:
         if drafter:
             drafter.begin(prompt)
         stats.prompt_tokens = len(prompt)
+        contexts = [target, draft_ctx] if draft_ctx else [target]
         verify_before = target.decode_seconds
         draft_before = draft_ctx.decode_seconds if draft_ctx else 0.0
         draft_calls_before = draft_ctx.decode_calls if draft_ctx else 0
+        llama_before = sum(c.perf_seconds() for c in contexts)
         t_gen = time.perf_counter()
         stats.prompt_seconds = t_gen - t_start
 
@@ -105,6 +107,7 @@ class Decoder:
         finally:
             stats.seconds = time.perf_counter() - t_gen
             stats.verify_seconds = target.decode_seconds - verify_before
+            stats.llama_seconds = sum(c.perf_seconds() for c in contexts) - llama_before
             if draft_ctx:
                 stats.draft_seconds = draft_ctx.decode_seconds - draft_before
                 stats.draft_calls = draft_ctx.decode_calls - draft_calls_before

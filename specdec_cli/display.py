@@ -188,11 +188,22 @@ def print_bench(report: BenchReport) -> None:
         f"of that, verify n tokens: "
         + " ".join(f"{n}:{v:.2f}" for n, v in sorted(c.verify.items()))
     )
+    base = report.variant_dict(report.baseline)
+    wrapper = (
+        f"target only, all runs: {base['tokens_per_second_all_runs']:.1f} tok/s by our clock, "
+        f"{base['llama_cpp_tokens_per_second']:.1f} by llama.cpp's own clock of its decode "
+        f"calls ({1 - base['overhead_share']:.1%}); our overhead in speculative runs: "
+        + ", ".join(
+            f"{r.variant.name} {report.variant_dict(r)['overhead_share']:.1%}"
+            for r in report.results[1:]
+        )
+    )
     if not sys.stdout.isatty():
         print("\t".join(BENCH_COLUMNS))
         for row in rows:
             print("\t".join(row))
         print(f"# {costs}")
+        print(f"# {wrapper}")
         print(f"# {report.verdict()}")
         return
     table = Table(
@@ -206,6 +217,7 @@ def print_bench(report: BenchReport) -> None:
     console = Console()
     console.print(table)
     console.print(costs, style="dim")
+    console.print(wrapper, style="dim")
     console.print(
         "draft / verify / other: shares of wall time; ideal: the speedup with zero "
         "overhead at this acceptance; effic.: speedup / ideal",

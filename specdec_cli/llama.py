@@ -179,6 +179,7 @@ class Context:
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
         cparams.flash_attn_type = FLASH_ATTN[params.flash_attn]
+        cparams.no_perf = False  # keep llama.cpp's own decode timing: see perf_seconds()
         self.model = model
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not self.ptr:
@@ -223,6 +224,9 @@ class Context:
             self._batch.n_tokens = n
             t0 = time.perf_counter()
             status = llama_cpp.llama_decode(self.ptr, self._batch)
+            # Wait for the results here, so that decode_seconds (and llama.cpp's own
+            # clock, which stops at a synchronize) covers this call and nothing else.
+            llama_cpp.llama_synchronize(self.ptr)
             self.decode_seconds += time.perf_counter() - t0
             self.decode_calls += 1
             if status != 0:
@@ -242,7 +246,7 @@ class Context:
         """Forget every cached token at position >= n_keep."""
         llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_keep, -1)
 
-    def perf(self) -> tuple[float, int]:
-        """llama.cpp's own account of its decode calls: (milliseconds, tokens)."""
+    def perf_seconds(self) -> float:
+        """llama.cpp's own clock of its decode calls (from decode to results), summed."""
         data = llama_cpp.llama_perf_context(self.ptr)
-        return data.t_eval_ms + data.t_p_eval_ms, data.n_eval + data.n_p_eval
+        return (data.t_eval_ms + data.t_p_eval_ms) / 1e3

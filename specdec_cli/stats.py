@@ -29,6 +29,7 @@ class Stats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     draft_calls: int = 0
+    llama_seconds: float = 0.0  # llama.cpp's own clock of the same decode calls
     stop_reason: str = ""
     last_k: int = 0
 
@@ -81,6 +82,7 @@ class Stats:
                 "draft": round(self.draft_seconds, 4),
                 "verify": round(self.verify_seconds, 4),
                 "other": round(self.other_seconds, 4),
+                "llama_cpp_clock": round(self.llama_seconds, 4),
             },
             "k": self.k,
             "k_mean": round(self.mean_k, 3),
