@@ -210,15 +210,12 @@ def run_bench(
     advance: Callable[[str], None] = lambda name: None,
 ) -> BenchReport:
     """Measure every variant on every prompt, `repeat` times, interleaved."""
-    decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
     tokenized = [engine.tokenize(p) for p in prompts.values()]
     first_prompt = tokenized[0]
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
-    # Costs are measured at a typical position of the runs: past the prompt, mid-output.
-    position = min(engine.target.n_ctx - max_batch - 1, 16 + n_predict // 2)
-    costs = costmodel.measure_costs(
-        engine.target, engine.draft_ctx, range(1, max_batch + 1), position=position
-    )
+    # Costs at a typical position of the runs (mid-output); -k auto decoders use them too.
+    costs = engine.measure_costs(range(1, max_batch + 1), position=16 + n_predict // 2)
+    decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
     for decoder in decoders:  # warm-up, not counted
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
     results = [VariantResult(v) for v in variant_list]

@@ -7,6 +7,7 @@ distribution each guess was drawn from when sampling (the acceptance rule needs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,7 +21,11 @@ from specdec_cli.sampling import Dist, SamplingParams, distribution
 class Draft:
     tokens: list[int] = field(default_factory=list)
     dists: list[Dist] = field(default_factory=list)  # q for each token; empty when greedy
+    confidences: list[float] = field(default_factory=list)  # the draft's top probability
     source: str = ""
+
+
+KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft confidence)
 
 
 class Drafter(Protocol):
@@ -28,7 +33,13 @@ class Drafter(Protocol):
 
     def begin(self, prompt: list[int]) -> None: ...
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft: ...
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+    ) -> Draft: ...
 
 
 class ModelDrafter:
@@ -42,10 +53,9 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, ctx: Context, sampling: SamplingParams, p_min: float = 0.0) -> None:
+    def __init__(self, ctx: Context, sampling: SamplingParams) -> None:
         self.ctx = ctx
         self.sampling = sampling
-        self.p_min = p_min
         # The KV cache holds the first `_n_cached` accepted tokens, then `_unchecked`:
         # last round's draft tokens, which the target may or may not have accepted.
         self._n_cached = 0
@@ -66,7 +76,13 @@ class ModelDrafter:
         self.ctx.trim(n)
         return n
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+    ) -> Draft:
         n_keep = self._sync(tokens)
         self.ctx.decode(tokens[n_keep:], n_keep)
         draft = Draft(source=self.name)
@@ -75,30 +91,28 @@ class ModelDrafter:
             if i:
                 self.ctx.decode(draft.tokens[-1:], len(tokens) + i - 1)
                 n_evaluated = i
-            token, confidence, q = self._choose(self.ctx.logits(-1), rng)
-            if i and confidence < self.p_min:
-                break  # the draft is unsure: a wasted verification slot is likely
+            logits = self.ctx.logits(-1)
+            if self.sampling.greedy:
+                token, q = int(np.argmax(logits)), None
+                # The top probability costs a pass over the vocabulary: only if asked.
+                confidence = (
+                    float(1.0 / np.exp(logits - logits[token]).sum()) if keep_drafting else 1.0
+                )
+            else:
+                q = distribution(logits, self.sampling)
+                # q's maximum, not q of the sampled token: whether to stop must not depend
+                # on which token is drawn, or the kept drafts would no longer follow q.
+                confidence = float(q.probs.max())
+                token = q.sample(rng)
+            if keep_drafting and not keep_drafting(i, confidence):
+                break
             draft.tokens.append(token)
+            if keep_drafting:
+                draft.confidences.append(confidence)
             if q is not None:
                 draft.dists.append(q)
         self._n_cached, self._unchecked = len(tokens), draft.tokens[:n_evaluated]
         return draft
-
-    def _choose(
-        self, logits: np.ndarray, rng: np.random.Generator
-    ) -> tuple[int, float, Dist | None]:
-        """The next draft token, the draft's top probability here, and q when sampling.
-
-        Confidence is q's maximum, not q of the sampled token: stopping must not depend
-        on which token was drawn, or the kept drafts would no longer be samples of q.
-        """
-        if self.sampling.greedy:
-            token = int(np.argmax(logits))
-            if not self.p_min:
-                return token, 1.0, None
-            return token, float(1.0 / np.exp(logits - logits[token]).sum()), None
-        q = distribution(logits, self.sampling)
-        return q.sample(rng), float(q.probs.max()), q
 
 
 class NgramDrafter:
@@ -125,7 +139,14 @@ class NgramDrafter:
                 self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
         self._indexed = max(self._indexed, upto)
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+    ) -> Draft:
+        """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
         draft = Draft(source=self.name)

@@ -6,16 +6,17 @@ policy, which sampling settings, and the compatibility check between the two mod
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from specdec_cli import compat, gguf_meta
+from specdec_cli.costmodel import Costs, measure_costs
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Drafter, ModelDrafter, NgramDrafter
-from specdec_cli.draftlength import DraftLength, FixedLength
+from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context, ContextParams, Model, init_backend, physical_cores
 from specdec_cli.sampling import SamplingParams
@@ -79,6 +80,7 @@ class Engine:
             Context(self.model, ContextParams(n_ctx, threads, options.flash_attn))
         )
         self.draft_ctx: Context | None = None
+        self._costs: Costs | None = None
         if draft_path:
             draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
             # The draft must be able to hold the same sequence as the target.
@@ -102,12 +104,37 @@ class Engine:
         if kind == "model":
             if self.draft_ctx is None:
                 raise UserError("no draft model is loaded; pass one with -d")
-            drafter: Drafter = ModelDrafter(self.draft_ctx, sampling, d.p_min)
+            drafter: Drafter = ModelDrafter(self.draft_ctx, sampling)
         else:
             drafter = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
         n = parse_k(k)
-        length: DraftLength = FixedLength(n if n is not None else d.draft_max)
+        length: DraftLength
+        if n is None:
+            costs = self.costs()
+            if kind == "ngram":  # a lookup costs next to nothing
+                costs = replace(costs, draft_over_target=0.0)
+            length = AutoLength(
+                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=kind == "model"
+            )
+        else:
+            length = FixedLength(n, d.p_min)
         return Decoder(self.target, drafter, sampling, length, label=k)
+
+    def costs(self) -> Costs:
+        """The draft's and the target's measured costs, for -k auto (measured once)."""
+        if self._costs is None:
+            top = self.options.drafting.draft_max + 1
+            # Batch sizes double up to the largest; those in between are interpolated.
+            sizes = {top, *(2**i + 1 for i in range(top.bit_length()) if 2**i < top)}
+            self.measure_costs(sizes, reps=3)
+        return self._costs
+
+    def measure_costs(self, sizes: Iterable[int], reps: int = 9, position: int = 64) -> Costs:
+        """Measure (again) at `position` tokens into the context; later decoders use these."""
+        sizes = set(sizes)
+        position = max(1, min(position, self.target.n_ctx - max(sizes) - 1))
+        self._costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
+        return self._costs
 
     def close(self) -> None:
         for obj in reversed(self._owned):

@@ -117,7 +117,7 @@ class WrongDrafter:
     def begin(self, prompt: list[int]) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator) -> Draft:
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator, keep=None) -> Draft:
         at = len(tokens) - self.n_prompt
         return Draft([(self.reference[at] + 1) % self.n_vocab] * k, source=self.name)
 
