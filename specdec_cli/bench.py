@@ -213,8 +213,14 @@ def run_bench(
     tokenized = [engine.tokenize(p) for p in prompts.values()]
     first_prompt = tokenized[0]
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
-    # Costs at a typical position of the runs (mid-output); -k auto decoders use them too.
-    costs = engine.measure_costs(range(1, max_batch + 1), position=16 + n_predict // 2)
+
+    def measure(reps: int) -> Costs:
+        # At a typical position of the runs (mid-output); -k auto decoders start from it.
+        return engine.measure_costs(range(1, max_batch + 1), reps, 16 + n_predict // 2)
+
+    # Costs are measured again after every repeat and the medians kept, so that they
+    # describe the same machine, in the same moods, as the runs.
+    measured = [measure(reps=5)]
     decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
     for decoder in decoders:  # warm-up, not counted
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
@@ -228,6 +234,8 @@ def run_bench(
                 stats = _generate(decoders[i], prompt, n_predict, seed + r)
                 results[i].runs.append(stats)
                 advance(variant_list[i].name)
+        measured.append(measure(reps=5))
+    costs = costmodel.median_costs(measured)
     return BenchReport(prompts, results, costs, n_predict, repeat)
 
 

@@ -9,7 +9,7 @@ Target-only decoding costs 1 per token, so a speedup is tokens / cost.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -55,17 +55,24 @@ def best_expected_k(alpha: float, c: float, verify: Mapping[int, float]) -> tupl
 
 @dataclass(frozen=True)
 class Costs:
-    """Measured costs: seconds for one target token, and the ratios above."""
+    """Measured costs: seconds for one target token, and the ratios above.
+
+    `switch` is the extra cost, in the same units, of a target pass whose batch size
+    differs from the previous one's: llama.cpp reuses its compute graph only while the
+    batch keeps its shape, and rebuilding it is not free.
+    """
 
     target_seconds: float
     draft_over_target: float
     verify: dict[int, float]
+    switch: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {
             "target_ms_per_token": round(self.target_seconds * 1e3, 4),
             "draft_over_target": round(self.draft_over_target, 4),
             "verify_cost": {str(n): round(v, 4) for n, v in sorted(self.verify.items())},
+            "batch_size_switch_cost": round(self.switch, 4),
         }
 
 
@@ -80,28 +87,48 @@ def measure_costs(
     sizes in between are interpolated linearly.
 
     Batches are evaluated after `position` context tokens and cut away again, so the
-    caches are left empty. Sizes take turns within each repetition, so that a slow moment of the
-    machine does not land on one size only; medians, after one untimed round.
+    caches are left empty. Each size is decoded twice in a row: the first pass pays
+    for the change of batch shape, the second is the steady cost. Sizes take turns
+    within each repetition, so that a slow moment of the machine does not land on one
+    size only; medians, after one untimed round.
     """
     context = [target.model.bos] * position
     sizes = sorted({1, *sizes})
     contexts = [(target, n) for n in sizes] + ([(draft, 1)] if draft is not None else [])
-    times: dict[tuple[int, int], list[float]] = {}
+    steady: dict[int, list[float]] = {}
+    switched: dict[int, list[float]] = {}
     for ctx, _ in contexts:
         ctx.trim(0)
         ctx.decode(context, 0)
     for rep in range(reps + 1):
         for i, (ctx, n) in enumerate(contexts):
-            before = ctx.decode_seconds
-            ctx.decode(context[:1] * n, len(context), all_logits=True)
-            ctx.trim(len(context))
-            if rep:
-                times.setdefault((i, n), []).append(ctx.decode_seconds - before)
+            for timings in (switched, steady):
+                before = ctx.decode_seconds
+                ctx.decode(context[:1] * n, len(context), all_logits=True)
+                ctx.trim(len(context))
+                if rep:
+                    timings.setdefault(i, []).append(ctx.decode_seconds - before)
     for ctx, _ in contexts:
         ctx.trim(0)
-    medians = [statistics.median(times[i, n]) for i, (_, n) in enumerate(contexts)]
+    medians = [statistics.median(steady[i]) for i in range(len(contexts))]
     one = medians[0]
     ratios = [t / one for t in medians[: len(sizes)]]
     c = medians[-1] / one if draft is not None else 0.0
     verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
-    return Costs(one, c, verify)
+    extra = [statistics.median(switched[i]) - medians[i] for i in range(len(sizes))]
+    return Costs(one, c, verify, max(0.0, statistics.median(extra) / one))
+
+
+def median_costs(measured: Sequence[Costs]) -> Costs:
+    """Field by field medians of several measurements."""
+
+    def median(get: Callable[[Costs], float]) -> float:
+        return statistics.median(get(m) for m in measured)
+
+    sizes = measured[0].verify
+    return Costs(
+        median(lambda m: m.target_seconds),
+        median(lambda m: m.draft_over_target),
+        {n: median(lambda m, n=n: m.verify[n]) for n in sizes},
+        median(lambda m: m.switch),
+    )

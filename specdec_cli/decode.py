@@ -78,14 +78,21 @@ class Decoder:
                 # A round yields at most k + 1 tokens: stay within -n and the context.
                 limit = min(n_predict - n_new, target.n_ctx - len(tokens)) - 1
                 k = self.length.choose(limit) if drafter else 0
+                draft_start = draft_ctx.decode_seconds if draft_ctx else 0.0
                 draft = drafter.propose(tokens, k, rng, keep_drafting) if k > 0 else NO_DRAFT
+                verify_start = target.decode_seconds
 
                 n_past = len(tokens) - 1
                 target.decode([tokens[-1], *draft.tokens], n_past, all_logits=True)
                 n_accepted, next_token = self._verify(draft, rng)
                 # Keep the cache entries of the accepted drafts, drop the rejected ones.
                 target.trim(n_past + 1 + n_accepted)
-                self.length.observe(draft, n_accepted)
+                self.length.observe(
+                    draft,
+                    n_accepted,
+                    (draft_ctx.decode_seconds if draft_ctx else 0.0) - draft_start,
+                    target.decode_seconds - verify_start,
+                )
 
                 new = [*draft.tokens[:n_accepted], next_token]
                 eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)

@@ -22,6 +22,7 @@ class Draft:
     tokens: list[int] = field(default_factory=list)
     dists: list[Dist] = field(default_factory=list)  # q for each token; empty when greedy
     confidences: list[float] = field(default_factory=list)  # the draft's top probability
+    calls: int = 0  # draft model decode calls it took
     source: str = ""
 
 
@@ -84,12 +85,16 @@ class ModelDrafter:
         keep_drafting: KeepDrafting | None = None,
     ) -> Draft:
         n_keep = self._sync(tokens)
-        self.ctx.decode(tokens[n_keep:], n_keep)
-        draft = Draft(source=self.name)
+        # One token at a time (usually one or two): llama.cpp reuses its compute graph
+        # while the batch keeps its shape, and every draft step is a single token.
+        for pos in range(n_keep, len(tokens)):
+            self.ctx.decode(tokens[pos : pos + 1], pos)
+        draft = Draft(source=self.name, calls=len(tokens) - n_keep)
         n_evaluated = 0  # draft tokens this context has seen: all but the last, usually
         for i in range(k):
             if i:
                 self.ctx.decode(draft.tokens[-1:], len(tokens) + i - 1)
+                draft.calls += 1
                 n_evaluated = i
             logits = self.ctx.logits(-1)
             if self.sampling.greedy:

@@ -1,7 +1,8 @@
 """How many tokens to draft each round, and when to stop a draft early.
 
-The decode loop asks `choose(limit)` before each round and reports `observe(draft,
-accepted)` after it. A drafter that knows how sure it is (a draft model) asks
+The decode loop asks `choose(limit)` before each round and reports `observe(...)`
+after it: what was drafted, how much was accepted, and how long drafting and
+verification took. A drafter that knows how sure it is (a draft model) asks
 `keep_drafting(i, confidence)` before adding draft token i (0-based), with its top
 probability at that point.
 """
@@ -21,7 +22,9 @@ class DraftLength(Protocol):
 
     def keep_drafting(self, i: int, confidence: float) -> bool: ...
 
-    def observe(self, draft: Draft, accepted: int) -> None: ...
+    def observe(
+        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+    ) -> None: ...
 
 
 class FixedLength:
@@ -39,7 +42,9 @@ class FixedLength:
     def keep_drafting(self, i: int, confidence: float) -> bool:
         return i == 0 or confidence >= self.p_min
 
-    def observe(self, draft: Draft, accepted: int) -> None:
+    def observe(
+        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
         pass
 
 
@@ -73,18 +78,19 @@ class Calibration:
 
 
 class AutoLength:
-    """Draft as many tokens as maximise the expected tokens per unit of time.
+    """Draft as many tokens as maximise the expected tokens per second.
 
     Expected tokens of a k-token draft: 1 + a1 + a1*a2 + ... + a1*...*ak, where ai is
     the chance that draft token i is accepted once the ones before it were. Its cost:
-    k draft calls plus one target pass over k+1 tokens (`costs`, measured).
+    k draft calls and one target pass over k+1 tokens, plus a rebuild of llama.cpp's
+    compute graph when the batch size changes. Costs start from the measured `costs`
+    and then follow what the rounds actually take; the ai are running averages per
+    position. Both forget old rounds (`decay`), so k follows the text and the machine.
 
-    With a draft model, ai comes from the draft's confidence in token i, calibrated
-    against what the target accepted so far: drafting goes on while one more token
-    raises the expected tokens per unit of time, so drafts run long through easy
-    stretches and stop at the first hard token. Without confidences (n-gram lookup),
-    ai is a running average per position that forgets old rounds (`decay`), and k is
-    chosen before the round.
+    With a draft model, its confidence refines the plan while drafting: the draft
+    stops early when the tokens it would still add, judged by its confidence in the
+    next one (calibrated against what the target accepted), are worth less than the
+    time their verification would take at the running rate (tokens per second).
     """
 
     def __init__(
@@ -97,8 +103,10 @@ class AutoLength:
         decay: float = 0.9,
         prior: float = 0.6,
     ) -> None:
-        self.c = costs.draft_over_target
-        self.verify = costs.verify
+        t = costs.target_seconds
+        self.draft_seconds = costs.draft_over_target * t  # per draft call
+        self.verify_seconds = {n: v * t for n, v in costs.verify.items()}  # per batch size
+        self.switch_seconds = costs.switch * t
         self.k_min, self.k_max, self.p_min = k_min, k_max, p_min
         self.uses_confidence = uses_confidence
         self.decay = decay
@@ -106,9 +114,14 @@ class AutoLength:
         self.calibration = Calibration()
         self.accept = [prior] * k_max  # running acceptance estimate per draft position
         self.weight = [0.0] * k_max  # how recent the evidence behind each estimate is
+        self.rate = 1.0 / t  # tokens per second; target-only to start
+        self._last_k = -1
         self._idle = 0
-        self.rate = 1.0 / self.verify[1]  # tokens per unit of cost, as target-only
-        self._survive = 1.0  # within a round: the chance the draft so far is all accepted
+        # The current round: its planned length, position estimates, and the chance
+        # that the draft so far is accepted whole.
+        self._plan = 0
+        self._estimates: list[float] = []
+        self._survive = 1.0
 
     def position_estimates(self, n: int) -> list[float]:
         """Acceptance per position; one not drafted lately leans on the one before."""
@@ -119,17 +132,23 @@ class AutoLength:
             out.append(previous)
         return out
 
+    def cost(self, k: int, horizon: float = 1.0) -> float:
+        """Seconds for a round drafting k tokens, with a change of batch size spread
+        over the `horizon` rounds it is expected to last."""
+        rebuild = self.switch_seconds / horizon if k != self._last_k else 0.0
+        return k * self.draft_seconds + self.verify_seconds[k + 1] + rebuild
+
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)
-        self._survive = 1.0
-        if self.uses_confidence:
-            return max(0, top)  # keep_drafting decides where the draft ends
-        best_k, best_rate = 0, 1.0 / self.verify[1]
+        estimates = self.position_estimates(top)
+        # A new k tends to last about as long as the estimates remember: 1/(1-decay).
+        horizon = 1.0 / (1.0 - self.decay)
+        best_k, best_rate = 0, 1.0 / self.cost(0, horizon)
         survive = expected = 1.0
-        for k, a in enumerate(self.position_estimates(top), start=1):
+        for k, a in enumerate(estimates, start=1):
             survive *= a
             expected += survive
-            rate = expected / (k * self.c + self.verify[k + 1])
+            rate = expected / self.cost(k, horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         k = max(best_k, min(self.k_min, top))
@@ -138,25 +157,49 @@ class AutoLength:
             self._idle += 1
             if self._idle % 8 == 0:
                 k = 1
+        self._plan, self._estimates, self._survive = k, estimates, 1.0
         return k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= self.k_min and confidence < self.p_min:
             return False
-        # One more token is worth it if what it is expected to add beats what the same
-        # cost buys on average (Dinkelbach's rule for maximising a long-run ratio).
-        gain = self._survive * self.calibration(confidence)
-        extra = self.c + self.verify[i + 2] - self.verify[i + 1]
-        if i >= max(1, self.k_min) and gain < self.rate * extra:
-            return False
-        self._survive = gain
+        a = self.calibration(confidence)
+        if i >= max(1, self.k_min):
+            # Stopping here saves the rest of the plan's drafting and verification (less
+            # two graph rebuilds: to the unplanned batch size and back) and loses what
+            # the rest of the draft would add.
+            rest, chain = 1.0, 1.0
+            for later in self._estimates[i + 1 : self._plan]:
+                chain *= later
+                rest += chain
+            lost = self._survive * a * rest
+            saved = (
+                (self._plan - i) * self.draft_seconds
+                + self.verify_seconds[self._plan + 1]
+                - self.verify_seconds[i + 1]
+                - 2 * self.switch_seconds
+            )
+            if lost < self.rate * saved:
+                return False
+        self._survive *= a
         return True
 
-    def observe(self, draft: Draft, accepted: int) -> None:
+    def observe(
+        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+    ) -> None:
         n = len(draft.tokens)
-        # The long-run rate, in tokens per unit of cost, that drafting must beat.
-        round_rate = (accepted + 1) / (n * self.c + self.verify[n + 1])
-        self.rate += (1.0 - self.decay) * (round_rate - self.rate)
+        learn = 1.0 - self.decay
+        self.rate += learn * ((accepted + 1) / (draft_seconds + verify_seconds) - self.rate)
+        if draft.calls:
+            self.draft_seconds += learn * (draft_seconds / draft.calls - self.draft_seconds)
+        # A pass at the last pass's batch size shows the steady cost; one at a new size
+        # shows the rebuild on top of it.
+        steady = self.verify_seconds[n + 1]
+        if n == self._last_k:
+            self.verify_seconds[n + 1] += learn * (verify_seconds - steady)
+        else:
+            self.switch_seconds += learn * (max(0.0, verify_seconds - steady) - self.switch_seconds)
+        self._last_k = n
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)
         for i, confidence in enumerate(draft.confidences[:tested]):
@@ -164,7 +207,7 @@ class AutoLength:
         for i in range(self.k_max):
             if i < tested:
                 hit = 1.0 if i < accepted else 0.0
-                self.accept[i] += (1.0 - self.decay) * (hit - self.accept[i])
-                self.weight[i] += (1.0 - self.decay) * (1.0 - self.weight[i])
+                self.accept[i] += learn * (hit - self.accept[i])
+                self.weight[i] += learn * (1.0 - self.weight[i])
             else:
                 self.weight[i] *= self.decay
