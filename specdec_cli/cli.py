@@ -17,7 +17,7 @@ import typer
 from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
 from specdec_cli.config import PairSpec, load_config
 from specdec_cli.display import bench_progress, make_display, print_bench, warn, write_plot
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_k
+from specdec_cli.engine import DEFAULT_MODEL_K, DraftOptions, Engine, EngineOptions, parse_k
 from specdec_cli.errors import UserError
 from specdec_cli.models import locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
@@ -37,8 +37,8 @@ ModelOpt = Annotated[
     typer.Option(
         "-m",
         "--model",
-        help="Target model: a .gguf file, a name from the config ([models] or [pairs]), "
-        "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
+        help="Target model: a .gguf file, a name from the config (a \\[models] or \\[pairs] "
+        "entry), or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
     ),
 ]
 DraftOpt = Annotated[
@@ -91,11 +91,11 @@ class FlashAttn(str, Enum):
 
 FlashOpt = Annotated[FlashAttn, typer.Option("-fa", "--flash-attn", help="Flash attention.")]
 TempOpt = Annotated[
-    float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. [default: 0.8]")
+    float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. (default: 0.8)")
 ]
 TopKOpt = Annotated[
     int | None,
-    typer.Option("--top-k", min=0, help="Keep the k most likely tokens; 0 is off. [default: 40]"),
+    typer.Option("--top-k", min=0, help="Keep the k most likely tokens; 0 is off. (default: 40)"),
 ]
 TopPOpt = Annotated[
     float | None,
@@ -103,7 +103,7 @@ TopPOpt = Annotated[
         "--top-p",
         min=0.0,
         max=1.0,
-        help="Keep the smallest set with this much mass; 1 is off. [default: 0.95]",
+        help="Keep the smallest set with this much mass; 1 is off. (default: 0.95)",
     ),
 ]
 MinPOpt = Annotated[
@@ -112,12 +112,12 @@ MinPOpt = Annotated[
         "--min-p",
         min=0.0,
         max=1.0,
-        help="Drop tokens below min-p x the top probability; 0 is off. [default: 0.05]",
+        help="Drop tokens below min-p x the top probability; 0 is off. (default: 0.05)",
     ),
 ]
 SeedOpt = Annotated[
     int | None,
-    typer.Option("--seed", help="Random seed; -1 picks one (and reports it). [default: -1]"),
+    typer.Option("--seed", help="Random seed; -1 picks one (and reports it). (default: -1)"),
 ]
 DraftMaxOpt = Annotated[
     int, typer.Option("--draft-max", min=1, help="With -k auto: the longest draft.")
@@ -188,7 +188,7 @@ def engine_options(
     if draft is None and pair is not None:
         draft = pair.draft.name or pair.draft.path
     if k is None:
-        k = str(pair.k) if pair and pair.k else "5"
+        k = str(pair.k) if pair and pair.k else default_k(draft)
     if draft_min > draft_max:
         raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
     if ngram_min > ngram_max:
@@ -219,6 +219,12 @@ def engine_options(
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
 
 
+def default_k(draft: str | None) -> str:
+    """Measured on the benchmark pair (benchmarks/README.md): n-gram lookup does best
+    choosing k itself; a draft model does best with a short fixed draft."""
+    return "auto" if draft and draft.lower() == "ngram" else str(DEFAULT_MODEL_K)
+
+
 def _pick(*values):
     """The first value that is not None: the command line, then the config, then the default."""
     return next(v for v in values if v is not None)
@@ -233,7 +239,8 @@ def run(
         typer.Option(
             "-k",
             "--draft-length",
-            help="Tokens to draft per round, or 'auto' to choose each round. [default: 5]",
+            help="Tokens to draft per round, or 'auto' to choose each round from the running "
+            "acceptance and measured costs. (default: 3 with a draft model, auto with ngram)",
         ),
     ] = None,
     prompt: Annotated[
@@ -256,7 +263,7 @@ def run(
     ] = None,
     n_predict: Annotated[
         int | None,
-        typer.Option("-n", "--n-predict", min=1, help="Tokens to generate at most. [default: 256]"),
+        typer.Option("-n", "--n-predict", min=1, help="Tokens to generate at most. (default: 256)"),
     ] = None,
     stop: Annotated[
         list[str] | None,
@@ -309,7 +316,7 @@ def run(
 
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
 
-      specdec run -m target.gguf -d ngram -f code.py -p "Rename x to y:" --temp 0
+      specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
     """
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")

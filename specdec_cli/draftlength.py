@@ -161,7 +161,7 @@ class AutoLength:
         return k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
-        if i >= self.k_min and confidence < self.p_min:
+        if i >= max(1, self.k_min) and confidence < self.p_min:
             return False
         a = self.calibration(confidence)
         if i >= max(1, self.k_min):

@@ -24,13 +24,14 @@ from specdec_cli.stats import Stats
 from specdec_cli.textstream import TextStream
 
 DEFAULT_MAX_CTX = 4096
+DEFAULT_MODEL_K = 3  # the best fixed k on the benchmark pair; see benchmarks/README.md
 
 
 @dataclass(frozen=True)
 class DraftOptions:
     """What drafts, and how much. `k` is a number of tokens or "auto"."""
 
-    k: str = "5"
+    k: str = str(DEFAULT_MODEL_K)
     draft_min: int = 0
     draft_max: int = 16
     p_min: float = 0.0

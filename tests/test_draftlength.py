@@ -1,0 +1,93 @@
+"""Draft length policies, without a model: hand-made costs and acceptance."""
+
+from __future__ import annotations
+
+from specdec_cli.costmodel import Costs
+from specdec_cli.drafters import Draft
+from specdec_cli.draftlength import AutoLength, Calibration, FixedLength
+
+# A target pass over n tokens costs 1 + 0.1 (n - 1) of one token (memory-bound), a draft
+# call 0.05: long drafts are cheap, so acceptance alone decides.
+CHEAP = Costs(
+    target_seconds=0.01,
+    draft_over_target=0.05,
+    verify={n: 1.0 + 0.1 * (n - 1) for n in range(1, 18)},
+)
+
+
+def draft_of(n: int, confidence: float = 0.9) -> Draft:
+    return Draft(tokens=list(range(n)), confidences=[confidence] * n, calls=n)
+
+
+def feed(policy: AutoLength, acceptance: float, rounds: int = 60) -> list[int]:
+    """Run rounds where each draft token is accepted with a fixed pattern."""
+    chosen = []
+    for r in range(rounds):
+        k = policy.choose(100)
+        chosen.append(k)
+        n = 0
+        while n < k and (n + r) % round(1 / (1 - acceptance)) != 0:
+            n += 1  # accept until the pattern says reject
+        t = CHEAP.target_seconds
+        policy.observe(draft_of(k), n, k * CHEAP.draft_over_target * t, CHEAP.verify[k + 1] * t)
+    return chosen
+
+
+def test_fixed_length_respects_limit_and_p_min() -> None:
+    policy = FixedLength(5, p_min=0.5)
+    assert policy.choose(3) == 3 and policy.choose(10) == 5 and policy.choose(0) == 0
+    assert policy.uses_confidence
+    assert policy.keep_drafting(0, 0.1)  # the first token is always drafted
+    assert not policy.keep_drafting(2, 0.4)
+    assert policy.keep_drafting(2, 0.6)
+    assert not FixedLength(5).uses_confidence
+
+
+def test_calibration_starts_at_confidence_and_learns() -> None:
+    calibration = Calibration()
+    assert abs(calibration(0.35) - 0.35) < 1e-9
+    for _ in range(200):
+        calibration.record(0.35, True)  # an unsure draft that is nonetheless always right
+    assert calibration(0.35) > 0.95
+    assert abs(calibration(0.85) - 0.85) < 1e-9  # other bins untouched
+
+
+def test_auto_drafts_long_when_accepted_and_short_when_not() -> None:
+    easy = feed(AutoLength(CHEAP, 0, 16, uses_confidence=False), acceptance=0.95)
+    hard = feed(AutoLength(CHEAP, 0, 16, uses_confidence=False), acceptance=0.5)
+    assert sum(easy[-20:]) / 20 > 2 * sum(hard[-20:]) / 20
+    assert max(easy) <= 16
+
+
+def test_auto_stops_drafting_a_useless_draft_but_probes() -> None:
+    costly = Costs(0.01, 0.5, {n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)})
+    policy = AutoLength(costly, 0, 8, uses_confidence=False)
+    for _ in range(40):
+        k = policy.choose(100)
+        policy.observe(draft_of(k), 0, k * 0.005, costly.verify[k + 1] * 0.01)
+    chosen = [policy.choose(100) for _ in range(16)]
+    assert chosen.count(0) >= 12  # nothing is ever accepted: mostly no draft...
+    assert 1 in chosen  # ...but an occasional probe, so it can notice a change
+
+
+def test_auto_respects_draft_min_and_limit() -> None:
+    policy = AutoLength(CHEAP, 2, 6, uses_confidence=False)
+    assert 2 <= policy.choose(100) <= 6
+    assert policy.choose(1) == 1  # never past the end of -n or the context
+
+
+def test_confidence_cuts_an_expensive_draft_short() -> None:
+    costly = Costs(0.01, 0.3, {n: 1.0 + 0.2 * (n - 1) for n in range(1, 18)})
+    policy = AutoLength(costly, 0, 8, uses_confidence=True, prior=0.9)
+    k = policy.choose(100)
+    assert k > 2
+    assert policy.keep_drafting(0, 0.95)
+    assert policy.keep_drafting(1, 0.95)
+    assert not policy.keep_drafting(2, 0.05)  # unsure: the rest is not worth its cost
+
+
+def test_p_min_is_a_hard_floor() -> None:
+    policy = AutoLength(CHEAP, 0, 8, p_min=0.8, uses_confidence=True, prior=0.9)
+    policy.choose(100)
+    assert policy.keep_drafting(0, 0.5)  # at least one token
+    assert not policy.keep_drafting(1, 0.7)
