@@ -37,7 +37,7 @@ N_PAD = 16  # padding tokens in padded_vocab_model: 495 + 16 = 511 tokens
 ModelPairFactory = Callable[[int], tuple[Path, Path]]
 
 
-def _target_tensors(vocab: Vocab) -> dict[str, np.ndarray]:
+def target_tensors(vocab: Vocab) -> dict[str, np.ndarray]:
     weak_layers = TARGET_HPARAMS.n_layer - DRAFT_LAYERS
     return llama_tensors(TARGET_HPARAMS, vocab, SEED, weak_layers, WEAK_SCALE)
 
@@ -60,7 +60,7 @@ def model_pair_factory(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -
     def make(eos_token_id: int = EOS_ID) -> tuple[Path, Path]:
         if eos_token_id not in made:
             folder = tmp_path_factory.mktemp(f"pair-eos{eos_token_id}")
-            tensors = _target_tensors(vocab)
+            tensors = target_tensors(vocab)
             target = write_gguf(
                 folder / "target.gguf",
                 llama_metadata(TARGET_HPARAMS, vocab, eos_token_id),
@@ -96,7 +96,7 @@ def other_vocab_model(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) ->
     return write_gguf(
         tmp_path_factory.mktemp("other-vocab") / "other-vocab.gguf",
         llama_metadata(DRAFT_HPARAMS, other),
-        first_layers(_target_tensors(vocab), DRAFT_LAYERS),
+        first_layers(target_tensors(vocab), DRAFT_LAYERS),
     )
 
 
@@ -106,7 +106,7 @@ def padded_vocab_model(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -
     return write_gguf(
         tmp_path_factory.mktemp("padded-vocab") / "padded-vocab.gguf",
         llama_metadata(TARGET_HPARAMS, padded(vocab, N_PAD)),
-        pad_rows(_target_tensors(vocab), N_PAD),
+        pad_rows(target_tensors(vocab), N_PAD),
     )
 
 
