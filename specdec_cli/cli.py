@@ -225,6 +225,18 @@ def default_k(draft: str | None) -> str:
     return "auto" if draft and draft.lower() == "ngram" else str(DEFAULT_MODEL_K)
 
 
+SHARED_OPTIONS = (
+    "ctx_size", "threads", "threads_draft", "n_gpu_layers", "n_gpu_layers_draft",
+    "flash_attn", "temp", "top_k", "top_p", "min_p", "draft_max", "draft_min",
+    "draft_p_min", "ngram_min", "ngram_max", "verbose",
+)  # fmt: skip
+
+
+def shared_options(command_args: dict[str, object]) -> dict[str, object]:
+    """The options `run` and `bench` both take, picked from a command's arguments."""
+    return {name: command_args[name] for name in SHARED_OPTIONS}
+
+
 def _pick(*values):
     """The first value that is not None: the command line, then the config, then the default."""
     return next(v for v in values if v is not None)
@@ -320,28 +332,7 @@ def run(
     """
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
-    options, defaults = engine_options(
-        model,
-        draft,
-        config,
-        k=k,
-        ctx_size=ctx_size,
-        threads=threads,
-        threads_draft=threads_draft,
-        n_gpu_layers=n_gpu_layers,
-        n_gpu_layers_draft=n_gpu_layers_draft,
-        flash_attn=flash_attn,
-        temp=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        draft_max=draft_max,
-        draft_min=draft_min,
-        draft_p_min=draft_p_min,
-        ngram_min=ngram_min,
-        ngram_max=ngram_max,
-        verbose=verbose,
-    )
+    options, defaults = engine_options(model, draft, config, k=k, **shared_options(locals()))
     n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
     seed = _pick(seed, defaults.get("seed"), -1)
     if seed < 0:
@@ -537,27 +528,11 @@ def bench(
         if prompts
         else BUILTIN_PROMPTS
     )
+    flags = shared_options(locals())
+    if ctx_size is None:
+        flags["ctx_size"] = fit_context(texts, n_predict, ks, draft_max)
     options, _ = engine_options(
-        model,
-        model_drafts[0] if model_drafts else "ngram",
-        config,
-        k="1",
-        ctx_size=ctx_size if ctx_size is not None else fit_context(texts, n_predict, ks, draft_max),
-        threads=threads,
-        threads_draft=threads_draft,
-        n_gpu_layers=n_gpu_layers,
-        n_gpu_layers_draft=n_gpu_layers_draft,
-        flash_attn=flash_attn,
-        temp=temp,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
-        draft_max=draft_max,
-        draft_min=draft_min,
-        draft_p_min=draft_p_min,
-        ngram_min=ngram_min,
-        ngram_max=ngram_max,
-        verbose=verbose,
+        model, model_drafts[0] if model_drafts else "ngram", config, k="1", **flags
     )
     with Engine(options) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:

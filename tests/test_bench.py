@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import pytest
+from test_cli_run import assert_user_error, specdec
 
 from specdec_cli.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
 from specdec_cli.costmodel import Costs
@@ -166,25 +165,6 @@ def test_variant_dict_figures() -> None:
 
 
 # --- the command ---
-
-
-def specdec(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "specdec_cli", *args],
-        input="",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-def assert_user_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
-    assert result.returncode == 2, result.stderr
-    assert "Traceback" not in result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("specdec: error:"), result.stderr
-    for word in words:
-        assert word in lines[0], lines[0]
 
 
 QUICK = ["-t", "1", "-n", "16", "--repeat", "2", "-k", "1,2"]

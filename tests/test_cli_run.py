@@ -176,23 +176,9 @@ def test_prompts_file_gives_json_lines(
 ) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("Once upon a time\n\nThe little dog\nOnce upon a time\n")
-    result = specdec(
-        "run",
-        "-m",
-        str(target_model),
-        "-d",
-        str(draft_model),
-        "--prompts",
-        str(prompts),
-        "-n",
-        "12",
-        "--temp",
-        "1",
-        "--seed",
-        "5",
-        "-t",
-        "1",
-    )
+    args = ["run", "-m", str(target_model), "-d", str(draft_model), "--prompts", str(prompts)]
+    args += ["-n", "12", "--temp", "1", "--seed", "5", "-t", "1"]
+    result = specdec(*args)
     assert result.returncode == 0, result.stderr
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["prompt"] for r in records] == [
@@ -204,23 +190,7 @@ def test_prompts_file_gives_json_lines(
     # Each prompt has its own random stream: the same prompt twice samples differently...
     assert records[0]["text"] != records[2]["text"]
     # ...and the whole file is reproducible from --seed.
-    again = specdec(
-        "run",
-        "-m",
-        str(target_model),
-        "-d",
-        str(draft_model),
-        "--prompts",
-        str(prompts),
-        "-n",
-        "12",
-        "--temp",
-        "1",
-        "--seed",
-        "5",
-        "-t",
-        "1",
-    )
+    again = specdec(*args)
     assert [json.loads(line)["text"] for line in again.stdout.splitlines()] == [
         r["text"] for r in records
     ]
