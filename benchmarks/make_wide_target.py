@@ -9,7 +9,7 @@ parameter model but mostly repeats stories260K's predictions; eps sets how often
 they differ. The result is quantized to Q8_0 (memory-bound on CPU, like real
 models). See benchmarks/README.md.
 
-    python benchmarks/make_wide_target.py [stories260K.gguf] [--eps 0.06] [--out PATH]
+    python benchmarks/make_wide_target.py [stories260K.gguf] [--eps 0.10] [--out PATH]
 """
 
 from __future__ import annotations

@@ -189,16 +189,19 @@ class AutoLength:
     ) -> None:
         n = len(draft.tokens)
         learn = 1.0 - self.decay
+        # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
+        # a tenth of the rate, so that one noisy round does not move them much.
+        slow = learn / 10
         self.rate += learn * ((accepted + 1) / (draft_seconds + verify_seconds) - self.rate)
         if draft.calls:
-            self.draft_seconds += learn * (draft_seconds / draft.calls - self.draft_seconds)
+            self.draft_seconds += slow * (draft_seconds / draft.calls - self.draft_seconds)
         # A pass at the last pass's batch size shows the steady cost; one at a new size
         # shows the rebuild on top of it.
         steady = self.verify_seconds[n + 1]
         if n == self._last_k:
-            self.verify_seconds[n + 1] += learn * (verify_seconds - steady)
+            self.verify_seconds[n + 1] += slow * (verify_seconds - steady)
         else:
-            self.switch_seconds += learn * (max(0.0, verify_seconds - steady) - self.switch_seconds)
+            self.switch_seconds += slow * (max(0.0, verify_seconds - steady) - self.switch_seconds)
         self._last_k = n
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)
