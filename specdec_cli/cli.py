@@ -514,6 +514,8 @@ def bench(
 
     Example: specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
+    if plot_path:
+        load_pyplot()  # fail now, not after minutes of measuring
     drafts = draft or []
     model_drafts = [d for d in drafts if d.lower() != "ngram"]
     if len(model_drafts) > 1:

@@ -226,8 +226,8 @@ def print_bench(report: BenchReport) -> None:
     console.print(report.verdict(), style="bold")
 
 
-def write_plot(report: BenchReport, path: str) -> None:
-    """tokens/s and acceptance rate against k, one line per drafter."""
+def load_pyplot():
+    """matplotlib's pyplot, or a clear error: call it before a long run, not after."""
     try:
         import matplotlib
 
@@ -237,6 +237,12 @@ def write_plot(report: BenchReport, path: str) -> None:
         raise UserError(
             "--plot needs matplotlib: pip install 'specdec-cli[plot]' (or drop --plot)"
         ) from None
+    return plt
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    """tokens/s and acceptance rate against k, one line per drafter."""
+    plt = load_pyplot()
     fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
     base = report.median_speed(report.baseline)
     speed_ax.axhline(base, color="grey", linestyle="--", label="target only")
