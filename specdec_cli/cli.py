@@ -16,7 +16,14 @@ import typer
 
 from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
 from specdec_cli.config import PairSpec, load_config
-from specdec_cli.display import bench_progress, make_display, print_bench, warn, write_plot
+from specdec_cli.display import (
+    bench_progress,
+    load_pyplot,
+    make_display,
+    print_bench,
+    warn,
+    write_plot,
+)
 from specdec_cli.engine import DEFAULT_MODEL_K, DraftOptions, Engine, EngineOptions, parse_k
 from specdec_cli.errors import UserError
 from specdec_cli.models import locate_draft, locate_model
