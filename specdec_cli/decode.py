@@ -52,7 +52,7 @@ class Decoder:
                 f"the prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
                 "shorten the prompt or raise -c"
             )
-        draft_ctx = getattr(drafter, "ctx", None)
+        draft_ctx = drafter.ctx if drafter else None
         stats.k = self.label
         t_start = time.perf_counter()
         # The target's cache holds every token but the last; the last goes into the
@@ -64,7 +64,7 @@ class Decoder:
         stats.prompt_tokens = len(prompt)
         contexts = [target, draft_ctx] if draft_ctx else [target]
         verify_before = target.decode_seconds
-        draft_before = draft_ctx.decode_seconds if draft_ctx else 0.0
+        draft_before = _decode_seconds(draft_ctx)
         draft_calls_before = draft_ctx.decode_calls if draft_ctx else 0
         llama_before = sum(c.perf_seconds() for c in contexts)
         t_gen = time.perf_counter()
@@ -78,7 +78,7 @@ class Decoder:
                 # A round yields at most k + 1 tokens: stay within -n and the context.
                 limit = min(n_predict - n_new, target.n_ctx - len(tokens)) - 1
                 k = self.length.choose(limit) if drafter else 0
-                draft_start = draft_ctx.decode_seconds if draft_ctx else 0.0
+                draft_start = _decode_seconds(draft_ctx)
                 draft = drafter.propose(tokens, k, rng, keep_drafting) if k > 0 else NO_DRAFT
                 verify_start = target.decode_seconds
 
@@ -90,7 +90,7 @@ class Decoder:
                 self.length.observe(
                     draft,
                     n_accepted,
-                    (draft_ctx.decode_seconds if draft_ctx else 0.0) - draft_start,
+                    _decode_seconds(draft_ctx) - draft_start,
                     target.decode_seconds - verify_start,
                 )
 
@@ -116,8 +116,8 @@ class Decoder:
             stats.seconds = time.perf_counter() - t_gen
             stats.verify_seconds = target.decode_seconds - verify_before
             stats.llama_seconds = sum(c.perf_seconds() for c in contexts) - llama_before
+            stats.draft_seconds = _decode_seconds(draft_ctx) - draft_before
             if draft_ctx:
-                stats.draft_seconds = draft_ctx.decode_seconds - draft_before
                 stats.draft_calls = draft_ctx.decode_calls - draft_calls_before
 
     def _verify(self, draft: Draft, rng: np.random.Generator) -> tuple[int, int]:
@@ -128,3 +128,7 @@ class Decoder:
         return verify_sampled(
             draft.tokens, draft.dists, lambda i: distribution(logits(i), self.sampling), rng
         )
+
+
+def _decode_seconds(ctx: Context | None) -> float:
+    return ctx.decode_seconds if ctx else 0.0

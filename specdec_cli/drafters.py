@@ -31,6 +31,7 @@ KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft c
 
 class Drafter(Protocol):
     name: str
+    ctx: Context | None  # the draft model's context, if it has one
 
     def begin(self, prompt: list[int]) -> None: ...
 
@@ -125,6 +126,7 @@ class NgramDrafter:
     them then follows them now. Longest n first. A point-mass proposal: q(x) = 1."""
 
     name = "ngram"
+    ctx = None
 
     def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max

@@ -87,7 +87,6 @@ class Model:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self.ptr)
         self.bos: int = llama_cpp.llama_vocab_bos(self.vocab)
-        self.eos: int = llama_cpp.llama_vocab_eos(self.vocab)
         self._pieces: dict[int, bytes] = {}
 
     def close(self) -> None:

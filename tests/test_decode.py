@@ -112,6 +112,7 @@ class WrongDrafter:
     """Proposes k tokens that differ from the known target output: nothing is accepted."""
 
     name = "wrong"
+    ctx = None
 
     def __init__(self, reference: list[int], n_prompt: int, n_vocab: int) -> None:
         self.reference, self.n_prompt, self.n_vocab = reference, n_prompt, n_vocab
