@@ -107,13 +107,15 @@ class AutoLength:
         self.draft_seconds = costs.draft_over_target * t  # per draft call
         self.verify_seconds = {n: v * t for n, v in costs.verify.items()}  # per batch size
         self.switch_seconds = costs.switch * t
-        self.k_min, self.k_max, self.p_min = k_min, k_max, p_min
+        # Never draft past the batch sizes whose cost is known.
+        self.k_max = min(k_max, max(costs.verify) - 1)
+        self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
         self.decay = decay
         self.prior = prior
         self.calibration = Calibration()
-        self.accept = [prior] * k_max  # running acceptance estimate per draft position
-        self.weight = [0.0] * k_max  # how recent the evidence behind each estimate is
+        self.accept = [prior] * self.k_max  # running acceptance estimate per draft position
+        self.weight = [0.0] * self.k_max  # how recent the evidence behind each estimate is
         self.rate = 1.0 / t  # tokens per second; target-only to start
         self._last_k = -1
         self._idle = 0

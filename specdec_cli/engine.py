@@ -124,7 +124,8 @@ class Engine:
     def costs(self) -> Costs:
         """The draft's and the target's measured costs, for -k auto (measured once)."""
         if self._costs is None:
-            top = self.options.drafting.draft_max + 1
+            # A batch must fit in the context after the measuring position.
+            top = min(self.options.drafting.draft_max + 1, self.target.n_ctx // 2)
             # Batch sizes double up to the largest; those in between are interpolated.
             sizes = {top, *(2**i + 1 for i in range(top.bit_length()) if 2**i < top)}
             self.measure_costs(sizes, reps=3)
