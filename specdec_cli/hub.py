@@ -14,6 +14,7 @@ import contextlib
 import re
 import sys
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from huggingface_hub import (
     CacheNotFound,
@@ -34,6 +35,18 @@ from huggingface_hub.errors import (
 )
 from huggingface_hub.utils import disable_progress_bars
 from huggingface_hub.utils import httpx as hub_http  # whichever HTTP library this version uses
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TaskProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from tqdm.auto import tqdm
 
 from specdec_cli.errors import UserError
 
@@ -48,6 +61,43 @@ _SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 # What huggingface-hub raises: its HTTP errors are OSErrors, LocalEntryNotFoundError is a
 # FileNotFoundError, offline mode a ConnectionError; connection failures come from its HTTP library.
 _HUB_ERRORS = (EntryNotFoundError, HFValidationError, OSError, hub_http.HTTPError)
+
+
+class RichBar(tqdm):
+    """huggingface-hub's download progress, drawn by rich on stderr.
+
+    huggingface-hub reports through a tqdm class; this one keeps tqdm's counting and
+    hands the drawing to a rich Progress.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.pop("name", None)  # huggingface-hub's own keyword, unknown to tqdm
+        self._progress = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            TaskProgressColumn(),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+        )
+        self._task: TaskID | None = None
+        super().__init__(*args, **kwargs)
+        if not self.disable:
+            self._progress.start()
+            self._task = self._progress.add_task(self.desc or "download", total=self.total)
+
+    def display(self, msg: str | None = None, pos: int | None = None) -> bool:
+        if self._task is not None:
+            self._progress.update(self._task, completed=self.n, total=self.total)
+        return True
+
+    def close(self) -> None:
+        if self._task is not None:
+            self.display()
+            self._progress.stop()
+            self._task = None
+        super().close()
 
 
 def is_hub_ref(ref: str) -> bool:
@@ -68,10 +118,11 @@ def fetch_gguf(ref: str) -> Path:
     try:
         parts = _split_parts(part or _pick_file(repo_id, quant))
         # Progress bars are for people watching; keep pipes and logs clean.
-        quiet = contextlib.nullcontext() if sys.stderr.isatty() else disable_progress_bars()
-        with quiet:
+        watched = sys.stderr.isatty()
+        with contextlib.nullcontext() if watched else disable_progress_bars():
             for part in parts:
-                paths.append(hf_hub_download(repo_id, part))
+                bar = RichBar if watched else None
+                paths.append(hf_hub_download(repo_id, part, tqdm_class=bar))
     except _HUB_ERRORS as err:
         raise _explain(err, ref, repo_id, part) from err
     # Return the snapshot path, not the resolved blob: the blobs are named by hash, so only in
