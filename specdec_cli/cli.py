@@ -14,6 +14,7 @@ from typing import Annotated
 import numpy as np
 import typer
 
+from specdec_cli import __version__
 from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
 from specdec_cli.config import PairSpec, load_config
 from specdec_cli.display import (
@@ -37,6 +38,25 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless speculative decoding for llama.cpp GGUF models.",
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from llama_cpp import __version__ as binding
+
+        print(f"specdec {__version__} (llama-cpp-python {binding})")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main_options(
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_print_version, is_eager=True, help="Show versions."),
+    ] = False,
+) -> None:
+    """Lossless speculative decoding for llama.cpp GGUF models."""
+
 
 # Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
 ModelOpt = Annotated[
