@@ -252,3 +252,16 @@ def contingency(a: np.ndarray, b: np.ndarray, min_count: int = 5) -> np.ndarray:
     common = table.sum(axis=0) >= min_count
     pooled = table[:, ~common].sum(axis=1, keepdims=True)
     return np.hstack([table[:, common], pooled]) if pooled.any() else table[:, common]
+
+
+def test_matches_llama_cpp_python_greedy(stories260k: Path) -> None:
+    """An outside reference: llama-cpp-python's own high-level greedy completion."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(stories260k), n_ctx=256, n_threads=1, verbose=False)
+    reference = llm.create_completion(PROMPT, max_tokens=64, temperature=0.0)["choices"][0]
+    with open_engine(stories260k, stories260k, 4) as engine:
+        text = "".join(
+            engine.generate(engine.tokenize(PROMPT), 64, np.random.default_rng(0), Stats())
+        )
+    assert text == reference["text"]
