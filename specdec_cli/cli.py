@@ -69,13 +69,14 @@ ModelOpt = Annotated[
     ),
 ]
 DraftOpt = Annotated[
-    str | None,
+    list[str] | None,
     typer.Option(
         "-d",
         "-md",
         "--draft",
         help="Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
-        "target-only decoding.",
+        "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
+        "first, the model where the text offers nothing to copy.",
     ),
 ]
 CtxOpt = Annotated[
@@ -183,7 +184,7 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's ow
 
 def engine_options(
     model: str,
-    draft: str | None,
+    drafts: list[str],
     config_path: str | None,
     *,
     k: str | None,
@@ -212,15 +213,16 @@ def engine_options(
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
-    if draft is None and pair is not None:
+    draft, ngram = split_drafts(drafts)
+    if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
     if k is None:
-        k = str(pair.k) if pair and pair.k else default_k(draft)
+        k = str(pair.k) if pair and pair.k else default_k(draft, ngram)
     if draft_min > draft_max:
         raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
     if ngram_min > ngram_max:
         raise UserError(f"--ngram-min ({ngram_min}) is above --ngram-max ({ngram_max})")
-    draft_spec = config.resolve(draft) if draft and draft.lower() not in ("none", "ngram") else None
+    draft_spec = config.resolve(draft) if draft and draft.lower() != "none" else None
     sampling = SamplingParams(
         temp=_pick(temp, defaults.get("temp"), 0.8),
         top_k=int(_pick(top_k, defaults.get("top_k"), 40)),
@@ -230,9 +232,8 @@ def engine_options(
     parse_k(k)
     options = EngineOptions(
         target=locate_model(target_spec.path, config),
-        draft="ngram"
-        if draft and draft.lower() == "ngram"
-        else (locate_draft(draft, config) if draft else None),
+        draft=locate_draft(draft, config) if draft else None,
+        ngram=ngram,
         n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
         threads=_pick(threads, target_spec.threads, 0),
         threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
@@ -246,10 +247,19 @@ def engine_options(
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
 
 
-def default_k(draft: str | None) -> str:
-    """Measured on the benchmark pair (benchmarks/README.md): n-gram lookup does best
-    choosing k itself; a draft model does best with a short fixed draft."""
-    return "auto" if draft and draft.lower() == "ngram" else str(DEFAULT_MODEL_K)
+def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
+    """-d values: (the draft model named, if any; whether n-gram lookup was asked for)."""
+    models = [d for d in drafts if d.lower() != "ngram"]
+    if len(models) > 1:
+        raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
+    return (models[0] if models else None), len(models) < len(drafts)
+
+
+def default_k(draft: str | None, ngram: bool) -> str:
+    """Measured on the benchmark pair (benchmarks/README.md): n-gram lookup alone does
+    best choosing k itself; with a draft model, a short fixed draft does best."""
+    with_model = draft is not None and draft.lower() != "none"
+    return str(DEFAULT_MODEL_K) if with_model or not ngram else "auto"
 
 
 SHARED_OPTIONS = (
@@ -359,7 +369,7 @@ def run(
     """
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
-    options, defaults = engine_options(model, draft, config, k=k, **shared_options(locals()))
+    options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
     n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
     seed = _pick(seed, defaults.get("seed"), -1)
     if seed < 0:
@@ -486,7 +496,7 @@ def bench(
             "-md",
             "--draft",
             help="Drafter(s) to measure: a draft model (same forms as -m) and/or 'ngram'. "
-            "Repeatable.",
+            "Repeatable; with both, their combination (lookup first) is measured too.",
         ),
     ] = None,
     k: Annotated[
@@ -544,14 +554,15 @@ def bench(
     if plot_path:
         load_pyplot()  # fail now, not after minutes of measuring
     drafts = draft or []
-    model_drafts = [d for d in drafts if d.lower() != "ngram"]
-    if len(model_drafts) > 1:
-        raise UserError("bench measures one draft model at a time; pass one -d MODEL")
     if not drafts:
         raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
-    kinds = ["model" if d.lower() != "ngram" else "ngram" for d in drafts]
+    model_draft, ngram = split_drafts(drafts)
+    # Each drafter alone, and both together (lookup first) when both are named.
+    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
+    if len(kinds) == 2:
+        kinds.append("model+ngram")
     ks = [x.strip() for x in k.split(",") if x.strip()]
-    variant_list = variants(list(dict.fromkeys(kinds)), ks)
+    variant_list = variants(kinds, ks)
     texts = (
         {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
         if prompts
@@ -560,9 +571,7 @@ def bench(
     flags = shared_options(locals())
     if ctx_size is None:
         flags["ctx_size"] = fit_context(texts, n_predict, ks, draft_max)
-    options, _ = engine_options(
-        model, model_drafts[0] if model_drafts else "ngram", config, k="1", **flags
-    )
+    options, _ = engine_options(model, drafts, config, k="1", **flags)
     with Engine(options) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)

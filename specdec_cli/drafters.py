@@ -86,11 +86,15 @@ class ModelDrafter:
         keep_drafting: KeepDrafting | None = None,
     ) -> Draft:
         n_keep = self._sync(tokens)
-        # One token at a time (usually one or two): llama.cpp reuses its compute graph
-        # while the batch keeps its shape, and every draft step is a single token.
-        for pos in range(n_keep, len(tokens)):
-            self.ctx.decode(tokens[pos : pos + 1], pos)
-        draft = Draft(source=self.name, calls=len(tokens) - n_keep)
+        pending = len(tokens) - n_keep
+        if pending <= 2:
+            # One token at a time (the usual one or two): llama.cpp reuses its compute
+            # graph while the batch keeps its shape, and every draft step is one token.
+            for pos in range(n_keep, len(tokens)):
+                self.ctx.decode(tokens[pos : pos + 1], pos)
+        else:  # catching up after another drafter's round: one batch
+            self.ctx.decode(tokens[n_keep:], n_keep)
+        draft = Draft(source=self.name, calls=pending if pending <= 2 else 1)
         n_evaluated = 0  # draft tokens this context has seen: all but the last, usually
         for i in range(k):
             if i:
@@ -131,9 +135,8 @@ class NgramDrafter:
     def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.greedy = greedy
-        self._last_end: dict[
-            tuple[int, ...], int
-        ] = {}  # n-gram -> end index of its latest occurrence
+        # n-gram -> end index of its latest occurrence
+        self._last_end: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this index are in _last_end
 
     def begin(self, prompt: list[int]) -> None:
@@ -165,3 +168,28 @@ class NgramDrafter:
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
         return draft
+
+
+class LookupThenModel:
+    """N-gram lookup where the text so far offers a match, the draft model elsewhere:
+    copied stretches cost no drafting at all."""
+
+    name = "model+ngram"
+
+    def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
+        self.lookup, self.model = lookup, model
+        self.ctx = model.ctx
+
+    def begin(self, prompt: list[int]) -> None:
+        self.lookup.begin(prompt)
+        self.model.begin(prompt)
+
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+    ) -> Draft:
+        draft = self.lookup.propose(tokens, k, rng)
+        return draft if draft.tokens else self.model.propose(tokens, k, rng, keep_drafting)

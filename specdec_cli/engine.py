@@ -15,7 +15,7 @@ import numpy as np
 from specdec_cli import compat, gguf_meta
 from specdec_cli.costmodel import Costs, measure_costs
 from specdec_cli.decode import Decoder
-from specdec_cli.drafters import Drafter, ModelDrafter, NgramDrafter
+from specdec_cli.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context, ContextParams, Model, init_backend, physical_cores
@@ -42,7 +42,8 @@ class DraftOptions:
 @dataclass(frozen=True)
 class EngineOptions:
     target: Path
-    draft: Path | str | None = None  # a model file, "ngram", or None for target-only
+    draft: Path | None = None  # a draft model file
+    ngram: bool = False  # n-gram lookup: alone, or tried before the draft model
     n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_MAX_CTX
     threads: int = 0  # 0: the machine's physical cores
     threads_draft: int = 0  # 0: same as threads
@@ -52,6 +53,13 @@ class EngineOptions:
     verbose: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     drafting: DraftOptions = field(default_factory=DraftOptions)
+
+
+def drafter_kind(model: bool, ngram: bool) -> str | None:
+    """The drafter for a draft model and/or n-gram lookup: see Engine.make_decoder."""
+    if model:
+        return "model+ngram" if ngram else "model"
+    return "ngram" if ngram else None
 
 
 def parse_k(k: str) -> int | None:
@@ -70,7 +78,7 @@ def parse_k(k: str) -> int | None:
 class Engine:
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        draft_path = options.draft if isinstance(options.draft, Path) else None
+        draft_path = options.draft
         self.warnings = check_models(options.target, draft_path)
         init_backend(options.verbose)
         self._owned: list[Model | Context] = []
@@ -89,25 +97,30 @@ class Engine:
                 self.target.n_ctx, options.threads_draft or threads, options.flash_attn
             )
             self.draft_ctx = self._own(Context(draft_model, draft_params))
-        default_kind = "model" if draft_path else ("ngram" if options.draft == "ngram" else None)
-        self.decoder = self.make_decoder(default_kind, options.drafting.k)
+        self.decoder = self.make_decoder(
+            drafter_kind(draft_path is not None, options.ngram), options.drafting.k
+        )
 
     def _own(self, obj):
         self._owned.append(obj)
         return obj
 
     def make_decoder(self, kind: str | None, k: str) -> Decoder:
-        """A decoder drafting with `kind` ("model", "ngram" or None for target-only) and
-        draft length k (a number or "auto"). All decoders share the loaded models."""
+        """A decoder drafting with `kind` ("model", "ngram", "model+ngram", or None for
+        target-only) and draft length k (a number or "auto"). All decoders share the
+        loaded models."""
         d, sampling = self.options.drafting, self.options.sampling
         if kind is None:
             return Decoder(self.target, None, sampling)
-        if kind == "model":
-            if self.draft_ctx is None:
-                raise UserError("no draft model is loaded; pass one with -d")
-            drafter: Drafter = ModelDrafter(self.draft_ctx, sampling)
+        lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
+        if kind == "ngram":
+            drafter: Drafter = lookup
+        elif self.draft_ctx is None:
+            raise UserError("no draft model is loaded; pass one with -d")
+        elif kind == "model":
+            drafter = ModelDrafter(self.draft_ctx, sampling)
         else:
-            drafter = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
+            drafter = LookupThenModel(lookup, ModelDrafter(self.draft_ctx, sampling))
         n = parse_k(k)
         length: DraftLength
         if n is None:
@@ -115,7 +128,7 @@ class Engine:
             if kind == "ngram":  # a lookup costs next to nothing
                 costs = replace(costs, draft_over_target=0.0)
             length = AutoLength(
-                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=kind == "model"
+                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=kind != "ngram"
             )
         else:
             length = FixedLength(n, d.p_min)

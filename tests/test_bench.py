@@ -250,9 +250,10 @@ def test_bench_ngram(target_model: Path, tmp_path: Path) -> None:
 
 def test_bench_draft_model_and_ngram(target_model: Path, draft_model: Path, tmp_path: Path) -> None:
     data = bench(target_model, [str(draft_model), "ngram"], tmp_path / "out.json")
-    check_report(data, ["model k=1", "model k=2", "ngram k=1", "ngram k=2"])
+    names = ["model k=1", "model k=2", "ngram k=1", "ngram k=2"]
+    check_report(data, [*names, "model+ngram k=1", "model+ngram k=2"])
     rows = [line for line in data["_stdout"].splitlines() if not line.startswith("#")]
-    assert len(rows) == 1 + 5  # header, target only, four speculative variants
+    assert len(rows) == 1 + 7  # header, target only, six speculative variants
 
 
 def test_bench_prompts_file(target_model: Path, tmp_path: Path) -> None:

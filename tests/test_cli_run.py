@@ -225,3 +225,22 @@ def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> N
     assert result.exit_code == 130
     assert "stop: interrupted" in result.stderr
     assert "6 tokens" in result.stderr  # the 6th was generated, then Ctrl-C came
+
+
+def test_draft_model_with_lookup_first(target_model: Path, draft_model: Path) -> None:
+    args = ["-p", "the cat ran to the dog and the cat ran to the", "-n", "30", *GREEDY]
+    alone = specdec("run", "-m", str(target_model), "-q", *args)
+    both = specdec(
+        "run", "-m", str(target_model), "-d", str(draft_model), "-d", "ngram", "--json", *args
+    )
+    record = json.loads(both.stdout)
+    assert record["text"] == alone.stdout.removesuffix("\n")
+    assert record["k"] == "3"
+    assert set(record["drafters"]) == {"model", "ngram"}  # each proposed something
+
+
+def test_two_draft_models_are_refused(target_model: Path, draft_model: Path) -> None:
+    result = specdec(
+        "run", "-m", str(target_model), "-d", str(draft_model), "-d", str(target_model), "-p", "hi"
+    )
+    assert_user_error(result, "one draft model")

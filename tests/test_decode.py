@@ -26,10 +26,12 @@ def open_engine(
     sampling: SamplingParams = GREEDY,
     n_ctx: int = 256,
 ) -> Engine:
+    """`draft` is a model file, "ngram", or None."""
     return Engine(
         EngineOptions(
             target=target,
-            draft=draft,
+            draft=None if draft == "ngram" else draft,
+            ngram=draft == "ngram",
             n_ctx=n_ctx,
             threads=1,
             sampling=sampling,
@@ -90,6 +92,17 @@ def test_greedy_smaller_draft(
     assert stats.drafted > 0
     if k == "auto":
         assert len(stats.draft_lengths) > 1  # the length really varies
+
+
+@pytest.mark.parametrize("k", K_VALUES)
+def test_greedy_lookup_then_model(
+    target_model: Path, draft_model: Path, fixture_reference, k
+) -> None:
+    with open_engine(target_model, draft_model, k) as engine:
+        decoder = engine.make_decoder("model+ngram", str(k))
+        out, stats = generate(engine, decoder=decoder)
+    assert out == fixture_reference
+    assert stats.proposed_by["model"] > 0
 
 
 @pytest.mark.parametrize("k", K_VALUES)
@@ -224,7 +237,8 @@ def sampled_baseline(target_model: Path) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("drafter", "k"), [("model", "4"), ("model", "auto"), ("ngram", "3"), ("ngram", "auto")]
+    ("drafter", "k"),
+    [("model", "4"), ("model", "auto"), ("ngram", "3"), ("ngram", "auto"), ("model+ngram", "3")],
 )
 def test_sampling_matches_target_distribution(
     target_model: Path, draft_model: Path, sampled_baseline: np.ndarray, drafter: str, k: str
