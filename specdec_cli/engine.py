@@ -24,6 +24,7 @@ from specdec_cli.stats import Stats
 from specdec_cli.textstream import TextStream
 
 DEFAULT_MAX_CTX = 4096
+LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
 DEFAULT_MODEL_K = 3  # the best fixed k on the benchmark pair; see benchmarks/README.md
 
 
@@ -120,6 +121,9 @@ class Engine:
         elif kind == "model":
             drafter = ModelDrafter(self.draft_ctx, sampling)
         else:
+            # Next to a draft model, only longer matches are worth more than its guess.
+            n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
+            lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy)
             drafter = LookupThenModel(lookup, ModelDrafter(self.draft_ctx, sampling))
         n = parse_k(k)
         length: DraftLength
