@@ -93,6 +93,8 @@ class AutoLength:
     time their verification would take at the running rate (tokens per second).
     """
 
+    HOLD_ROUNDS = 8
+
     def __init__(
         self,
         costs: Costs,
@@ -119,6 +121,7 @@ class AutoLength:
         self.rate = 1.0 / t  # tokens per second; target-only to start
         self._last_k = -1
         self._idle = 0
+        self._hold = 0  # rounds the current plan is kept before it is made again
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
         self._plan = 0
@@ -143,7 +146,24 @@ class AutoLength:
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)
         estimates = self.position_estimates(top)
-        # A new k tends to last about as long as the estimates remember: 1/(1-decay).
+        if self._hold > 0:
+            # Keep the plan for a while: every change of batch size costs a graph
+            # rebuild, and a plan re-made every round chases noise.
+            self._hold -= 1
+            k = min(self._plan, top)
+        else:
+            k = self._best_k(estimates, top)
+            self._hold = self.HOLD_ROUNDS if k else 0
+            if k == 0 and top > 0:
+                # Estimates only move when something is drafted: probe now and then,
+                # for one round.
+                self._idle += 1
+                k = 1 if self._idle % 8 == 0 else 0
+        self._plan, self._estimates, self._survive = k, estimates, 1.0
+        return k
+
+    def _best_k(self, estimates: list[float], top: int) -> int:
+        # A new k lasts about as long as the estimates remember: 1/(1-decay) rounds.
         horizon = 1.0 / (1.0 - self.decay)
         best_k, best_rate = 0, 1.0 / self.cost(0, horizon)
         survive = expected = 1.0
@@ -153,14 +173,7 @@ class AutoLength:
             rate = expected / self.cost(k, horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        k = max(best_k, min(self.k_min, top))
-        if k == 0 and top > 0:
-            # Estimates only move when something is drafted: probe now and then.
-            self._idle += 1
-            if self._idle % 8 == 0:
-                k = 1
-        self._plan, self._estimates, self._survive = k, estimates, 1.0
-        return k
+        return max(best_k, min(self.k_min, top))
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:
