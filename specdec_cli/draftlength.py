@@ -83,9 +83,9 @@ class AutoLength:
     Expected tokens of a k-token draft: 1 + a1 + a1*a2 + ... + a1*...*ak, where ai is
     the chance that draft token i is accepted once the ones before it were. Its cost:
     k draft calls and one target pass over k+1 tokens, plus a rebuild of llama.cpp's
-    compute graph when the batch size changes. Costs start from the measured `costs`
-    and then follow what the rounds actually take; the ai are running averages per
-    position. Both forget old rounds (`decay`), so k follows the text and the machine.
+    compute graph when the batch size changes: the measured `costs`, rescaled as the
+    rounds show the machine speeding up or slowing down. The ai are running averages
+    per position that forget old rounds (`decay`), so k follows the text.
 
     With a draft model, its confidence refines the plan while drafting: the draft
     stops early when the tokens it would still add, judged by its confidence in the
@@ -105,10 +105,13 @@ class AutoLength:
         decay: float = 0.9,
         prior: float = 0.6,
     ) -> None:
-        t = costs.target_seconds
-        self.draft_seconds = costs.draft_over_target * t  # per draft call
-        self.verify_seconds = {n: v * t for n, v in costs.verify.items()}  # per batch size
-        self.switch_seconds = costs.switch * t
+        # Seconds per target token and per draft call follow the machine as it runs; the
+        # relative costs of batch sizes keep their measured values, which were taken side
+        # by side (learning them one size at a time would mix in the machine's drift).
+        self.target_seconds = t = costs.target_seconds
+        self.draft_seconds = costs.draft_over_target * t
+        self.verify = costs.verify
+        self.switch = costs.switch
         # Never draft past the batch sizes whose cost is known.
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
@@ -140,8 +143,8 @@ class AutoLength:
     def cost(self, k: int, horizon: float = 1.0) -> float:
         """Seconds for a round drafting k tokens, with a change of batch size spread
         over the `horizon` rounds it is expected to last."""
-        rebuild = self.switch_seconds / horizon if k != self._last_k else 0.0
-        return k * self.draft_seconds + self.verify_seconds[k + 1] + rebuild
+        rebuild = self.switch / horizon if k != self._last_k else 0.0
+        return k * self.draft_seconds + (self.verify[k + 1] + rebuild) * self.target_seconds
 
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)
@@ -188,12 +191,9 @@ class AutoLength:
                 chain *= later
                 rest += chain
             lost = self._survive * a * rest
-            saved = (
-                (self._plan - i) * self.draft_seconds
-                + self.verify_seconds[self._plan + 1]
-                - self.verify_seconds[i + 1]
-                - 2 * self.switch_seconds
-            )
+            saved = (self._plan - i) * self.draft_seconds + (
+                self.verify[self._plan + 1] - self.verify[i + 1] - 2 * self.switch
+            ) * self.target_seconds
             if lost < self.rate * saved:
                 return False
         self._survive *= a
@@ -210,13 +210,9 @@ class AutoLength:
         self.rate += learn * ((accepted + 1) / (draft_seconds + verify_seconds) - self.rate)
         if draft.calls:
             self.draft_seconds += slow * (draft_seconds / draft.calls - self.draft_seconds)
-        # A pass at the last pass's batch size shows the steady cost; one at a new size
-        # shows the rebuild on top of it.
-        steady = self.verify_seconds[n + 1]
-        if n == self._last_k:
-            self.verify_seconds[n + 1] += slow * (verify_seconds - steady)
-        else:
-            self.switch_seconds += slow * (max(0.0, verify_seconds - steady) - self.switch_seconds)
+        if n == self._last_k:  # a pass at a new batch size also pays a graph rebuild
+            per_token = verify_seconds / self.verify[n + 1]
+            self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_k = n
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)
