@@ -62,6 +62,7 @@ class ModelDrafter:
         # last round's draft tokens, which the target may or may not have accepted.
         self._n_cached = 0
         self._unchecked: list[int] = []
+        self._scratch = np.empty(0, np.float32)
 
     def begin(self, prompt: list[int]) -> None:
         self.ctx.trim(0)
@@ -105,9 +106,7 @@ class ModelDrafter:
             if self.sampling.greedy:
                 token, q = int(np.argmax(logits)), None
                 # The top probability costs a pass over the vocabulary: only if asked.
-                confidence = (
-                    float(1.0 / np.exp(logits - logits[token]).sum()) if keep_drafting else 1.0
-                )
+                confidence = self._top_probability(logits, token) if keep_drafting else 1.0
             else:
                 q = distribution(logits, self.sampling)
                 # q's maximum, not q of the sampled token: whether to stop must not depend
@@ -123,6 +122,15 @@ class ModelDrafter:
                 draft.dists.append(q)
         self._n_cached, self._unchecked = len(tokens), draft.tokens[:n_evaluated]
         return draft
+
+    def _top_probability(self, logits: np.ndarray, top: int) -> float:
+        """softmax(logits)[top], computed in a buffer kept for the purpose, so that no
+        vocabulary-sized array is allocated per token."""
+        if self._scratch.shape != logits.shape:
+            self._scratch = np.empty_like(logits)
+        np.subtract(logits, logits[top], out=self._scratch)
+        np.exp(self._scratch, out=self._scratch)
+        return float(1.0 / self._scratch.sum())
 
 
 class NgramDrafter:
