@@ -11,6 +11,7 @@ from specdec_cli.sampling import (
     SamplingParams,
     distribution,
     residual,
+    top_k_ids,
     verify_greedy,
     verify_sampled,
 )
@@ -63,6 +64,15 @@ def test_distribution_matches_reference(params: SamplingParams) -> None:
         np.testing.assert_allclose(
             dense(d), reference(logits.astype(np.float64), params), atol=1e-9
         )
+
+
+@pytest.mark.parametrize("spread", [0.5, 5.0, 60.0])
+def test_top_k_ids_are_exactly_the_k_largest(spread: float) -> None:
+    rng = np.random.default_rng(2)
+    logits = rng.normal(0, spread, 5000).astype(np.float32)
+    logits[rng.integers(0, 5000, 50)] = -np.inf  # masked tokens never count
+    for k in (1, 40, 300):
+        assert set(top_k_ids(logits, k)) == set(np.argsort(-logits, kind="stable")[:k])
 
 
 def test_filters_cut_what_they_should() -> None:
