@@ -279,3 +279,22 @@ def test_matches_llama_cpp_python_greedy(stories260k: Path) -> None:
             engine.generate(engine.tokenize(PROMPT), 64, np.random.default_rng(0), Stats())
         )
     assert text == reference["text"]
+
+
+def test_draft_p_min_cuts_drafts_short_and_stays_lossless(
+    target_model: Path, draft_model: Path, fixture_reference
+) -> None:
+    options = EngineOptions(
+        target=target_model,
+        draft=draft_model,
+        n_ctx=256,
+        threads=1,
+        sampling=GREEDY,
+        drafting=DraftOptions(k="6", p_min=0.6),
+    )
+    with Engine(options) as engine:
+        out, stats = generate(engine)
+    assert out == fixture_reference
+    short = sum(n for k, n in stats.draft_lengths.items() if 0 < k < 6)
+    assert short > 2  # cut short by the draft's doubt, not just by the end of -n
+    assert stats.draft_lengths[0] <= 1  # never empty, but for a last round at the -n limit
