@@ -37,8 +37,13 @@ WARMUP_TOKENS = 16
 
 @dataclass(frozen=True)
 class Variant:
-    drafter: str | None  # "model", "ngram" or None for the target alone
+    drafter: str | None  # "model", "ngram", "model+ngram", or None for the target alone
     k: str = "0"
+
+    @property
+    def uses_model(self) -> bool:
+        """Whether a draft model (alone or behind the lookup) does the drafting."""
+        return self.drafter is not None and "model" in self.drafter
 
     @property
     def name(self) -> str:
@@ -62,17 +67,7 @@ class VariantResult:
         """All runs added up, for acceptance, passes and the time split."""
         out = Stats(k=self.variant.k)
         for s in self.runs:
-            out.tokens += s.tokens
-            out.drafted += s.drafted
-            out.accepted += s.accepted
-            out.target_passes += s.target_passes
-            out.draft_calls += s.draft_calls
-            out.seconds += s.seconds
-            out.draft_seconds += s.draft_seconds
-            out.verify_seconds += s.verify_seconds
-            out.llama_seconds += s.llama_seconds
-            out.batch_sizes.update(s.batch_sizes)
-            out.draft_lengths.update(s.draft_lengths)
+            out.add(s)
         return out
 
 
@@ -95,9 +90,13 @@ class BenchReport:
         """Ratio of medians, both measured in this run."""
         return self.median_speed(result) / self.median_speed(self.baseline)
 
+    def draft_cost(self, variant: Variant) -> float:
+        """c for the cost model: a lookup costs next to nothing."""
+        return self.costs.draft_over_target if variant.uses_model else 0.0
+
     def ideal_speedup(self, result: VariantResult) -> float:
         t = result.total()
-        c = self.costs.draft_over_target if result.variant.drafter == "model" else 0.0
+        c = self.draft_cost(result.variant)
         return costmodel.ideal_speedup(t.tokens, t.draft_calls, t.batch_sizes, c, self.costs.verify)
 
     def best(self) -> VariantResult:
@@ -121,7 +120,7 @@ class BenchReport:
             return f"best: {best.variant.name}, {gain:.2f}x the target alone"
         t = best.total()
         alpha = t.acceptance_rate
-        c = self.costs.draft_over_target if best.variant.drafter == "model" else 0.0
+        c = self.draft_cost(best.variant)
         reason = []
         if alpha < 0.5:
             reason.append(f"the draft's tokens are accepted only {alpha:.0%} of the time")

@@ -446,16 +446,15 @@ def _run_one(
 ) -> None:
     tokens = engine.tokenize(text, chat, system)
     stats = Stats()
-    display = make_display(as_json, quiet)
+    display = make_display(stats, as_json, quiet)
     pieces: list[str] = []
     try:
         for piece in engine.generate(tokens, n_predict, np.random.default_rng(seed), stats, stop):
             pieces.append(piece)
             display.text(piece)
-            display.update(stats)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
-    display.finish(stats)
+    display.finish()
     if as_json:
         print(json.dumps({"text": "".join(pieces), "seed": seed, **stats.to_dict()}))
     if stats.stop_reason == "interrupted":

@@ -48,17 +48,18 @@ def stats_line(stats: Stats) -> Text:
 
 
 class Display(Protocol):
+    """Shows generated text as it comes, and the Stats it was given as they change."""
+
     def text(self, chunk: str) -> None: ...
 
-    def update(self, stats: Stats) -> None: ...
-
-    def finish(self, stats: Stats) -> None: ...
+    def finish(self) -> None: ...
 
 
 class PlainDisplay:
     """Text straight to stdout; one summary line on stderr at the end."""
 
-    def __init__(self, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
+        self.stats = stats
         self.show_text = show_text
         self.summary = summary
 
@@ -67,15 +68,12 @@ class PlainDisplay:
             sys.stdout.write(chunk)
             sys.stdout.flush()
 
-    def update(self, stats: Stats) -> None:
-        pass
-
-    def finish(self, stats: Stats) -> None:
+    def finish(self) -> None:
         if self.show_text:
             sys.stdout.write("\n")
             sys.stdout.flush()
         if self.summary:
-            print(f"specdec: {stats.summary()}", file=sys.stderr)
+            print(f"specdec: {self.stats.summary()}", file=sys.stderr)
 
 
 class LiveDisplay:
@@ -86,13 +84,13 @@ class LiveDisplay:
     text streams token by token without the two fighting over the cursor.
     """
 
-    def __init__(self, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
         self.console = Console(stderr=True)
+        self.stats = stats  # read at each refresh, as the decode loop updates it
         self.show_text = show_text
         self.summary = summary
         self.text_in_live = show_text and sys.stdout.isatty()
         self._line = ""
-        self._stats: Stats | None = None
         self.live = Live(
             get_renderable=self._render,
             console=self.console,
@@ -103,9 +101,7 @@ class LiveDisplay:
 
     def _render(self) -> Group:
         parts = [Text(self._line)] if self._line else []
-        if self._stats is not None:
-            parts.append(stats_line(self._stats))
-        return Group(*parts)
+        return Group(*parts, stats_line(self.stats))
 
     def text(self, chunk: str) -> None:
         if not self.show_text:
@@ -118,10 +114,7 @@ class LiveDisplay:
         for line in done:
             self.console.print(line, markup=False, highlight=False, emoji=False)
 
-    def update(self, stats: Stats) -> None:
-        self._stats = stats
-
-    def finish(self, stats: Stats) -> None:
+    def finish(self) -> None:
         self.live.stop()
         if self.text_in_live:
             self.console.print(self._line, markup=False, highlight=False, emoji=False)
@@ -129,14 +122,14 @@ class LiveDisplay:
             sys.stdout.write("\n")
             sys.stdout.flush()
         if self.summary:
-            self.console.print(stats_line(stats).append(f"  stop: {stats.stop_reason}"))
+            self.console.print(stats_line(self.stats).append(f"  stop: {self.stats.stop_reason}"))
 
 
-def make_display(as_json: bool, quiet: bool) -> Display:
+def make_display(stats: Stats, as_json: bool, quiet: bool) -> Display:
     """Live stats on a terminal unless quiet; with --json the JSON replaces text and summary."""
     if not quiet and sys.stderr.isatty():
-        return LiveDisplay(show_text=not as_json, summary=not as_json)
-    return PlainDisplay(show_text=not as_json, summary=not (as_json or quiet))
+        return LiveDisplay(stats, show_text=not as_json, summary=not as_json)
+    return PlainDisplay(stats, show_text=not as_json, summary=not (as_json or quiet))
 
 
 BENCH_COLUMNS = (
@@ -154,16 +147,15 @@ BENCH_COLUMNS = (
 )
 
 
-def bench_rows(report: BenchReport) -> list[list[str]]:
+def bench_rows(figures: dict) -> list[list[str]]:
+    """One row of text per variant, from BenchReport.to_dict()'s figures."""
     rows = []
-    best = report.best()
-    for result in report.results:
-        d = report.variant_dict(result)
+    for d in [figures["baseline"], *figures["runs"]]:
         share = d["time_share"]
-        speculative = result.variant.drafter is not None
+        speculative = d["drafter"] is not None
         rows.append(
             [
-                d["name"] + (" *" if result is best and speculative else ""),
+                d["name"] + (" *" if speculative and d["name"] == figures["best"] else ""),
                 f"{d['tokens_per_second']:.1f}",
                 f"{d['tokens_per_second_min']:.1f}-{d['tokens_per_second_max']:.1f}",
                 f"{d['speedup']:.2f}x",
@@ -180,23 +172,22 @@ def bench_rows(report: BenchReport) -> list[list[str]]:
 
 
 def print_bench(report: BenchReport) -> None:
-    """A rich table on a terminal; whitespace-separated columns when piped."""
-    rows = bench_rows(report)
+    """A rich table on a terminal; whitespace-separated columns when piped. Both show
+    the figures `--json` writes, computed once."""
+    figures = report.to_dict()
+    rows = bench_rows(figures)
     c = report.costs
     costs = (
         f"costs: target {c.target_seconds * 1e3:.2f} ms/token, draft {c.draft_over_target:.3f} "
         f"of that, verify n tokens: "
         + " ".join(f"{n}:{v:.2f}" for n, v in sorted(c.verify.items()))
     )
-    base = report.variant_dict(report.baseline)
+    base = figures["baseline"]
     wrapper = (
         f"target only, all runs: {base['tokens_per_second_all_runs']:.1f} tok/s by our clock, "
         f"{base['llama_cpp_tokens_per_second']:.1f} by llama.cpp's own clock of its decode "
         f"calls ({1 - base['overhead_share']:.1%}); our overhead in speculative runs: "
-        + ", ".join(
-            f"{r.variant.name} {report.variant_dict(r)['overhead_share']:.1%}"
-            for r in report.results[1:]
-        )
+        + ", ".join(f"{d['name']} {d['overhead_share']:.1%}" for d in figures["runs"])
     )
     if not sys.stdout.isatty():
         print("\t".join(BENCH_COLUMNS))
@@ -204,7 +195,7 @@ def print_bench(report: BenchReport) -> None:
             print("\t".join(row))
         print(f"# {costs}")
         print(f"# {wrapper}")
-        print(f"# {report.verdict()}")
+        print(f"# {figures['verdict']}")
         return
     table = Table(
         title=f"{len(report.prompts)} prompts x {report.repeat} repeats, "
@@ -223,7 +214,7 @@ def print_bench(report: BenchReport) -> None:
         "overhead at this acceptance; effic.: speedup / ideal",
         style="dim",
     )
-    console.print(report.verdict(), style="bold")
+    console.print(figures["verdict"], style="bold")
 
 
 def load_pyplot():

@@ -201,6 +201,7 @@ class Context:
         self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
         self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
         self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
+        self._offsets = np.arange(self.n_batch, dtype=self._pos.dtype)  # 0, 1, 2, ...
         self._row_type = ctypes.c_float * model.n_vocab
 
     def close(self) -> None:
@@ -216,7 +217,7 @@ class Context:
             chunk = tokens[start : start + self.n_batch]
             n = len(chunk)
             self._tokens[:n] = chunk
-            self._pos[:n] = np.arange(pos + start, pos + start + n)
+            np.add(self._offsets[:n], pos + start, out=self._pos[:n])
             self._want[:n] = all_logits
             if start + n == len(tokens):
                 self._want[n - 1] = 1

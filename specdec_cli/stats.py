@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -44,6 +44,15 @@ class Stats:
         if n_drafted:
             self.proposed_by[source] += n_drafted
             self.accepted_by[source] += n_accepted
+
+    def add(self, other: Stats) -> None:
+        """Count `other`'s generation into this one (counters and times; not labels)."""
+        for f in fields(self):
+            mine = getattr(self, f.name)
+            if isinstance(mine, Counter):
+                mine.update(getattr(other, f.name))
+            elif isinstance(mine, int | float) and f.name != "last_k":
+                setattr(self, f.name, mine + getattr(other, f.name))
 
     @property
     def acceptance_rate(self) -> float:
