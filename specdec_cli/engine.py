@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec_cli import compat, gguf_meta
+from specdec_cli import compat, costcache, gguf_meta
 from specdec_cli.costmodel import Costs, measure_costs
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
@@ -139,14 +139,35 @@ class Engine:
         return Decoder(self.target, drafter, sampling, length, label=k)
 
     def costs(self) -> Costs:
-        """The draft's and the target's measured costs, for -k auto (measured once)."""
+        """The draft's and the target's measured costs, for -k auto: measured once per
+        models and settings, and kept on disk (see costcache)."""
         if self._costs is None:
             # A batch must fit in the context after the measuring position.
             top = min(self.options.drafting.draft_max + 1, self.target.n_ctx // 2)
-            # Batch sizes double up to the largest; those in between are interpolated.
-            sizes = {top, *(2**i + 1 for i in range(top.bit_length()) if 2**i < top)}
-            self.measure_costs(sizes, reps=3)
+            # Every size up to 5, where k mostly settles (their costs are uneven: 2
+            # tokens can cost less than 1); beyond, sizes double up to the largest, and
+            # those in between are interpolated.
+            sizes = {*range(1, min(top, 5) + 1), top}
+            sizes |= {2**i + 1 for i in range(top.bit_length()) if 2**i < top}
+            key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
+            self._costs = costcache.load(key)
+            if self._costs is None:
+                costcache.save(key, self.measure_costs(sizes, reps=3))
         return self._costs
+
+    def _model_paths(self) -> list[Path]:
+        o = self.options
+        return [o.target, o.draft] if o.draft else [o.target]
+
+    def _cost_settings(self, sizes: set[int]) -> dict[str, object]:
+        """What, besides the model files, changes what a decode call costs."""
+        o = self.options
+        return {
+            "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
+            "gpu_layers": [o.n_gpu_layers, o.n_gpu_layers_draft],
+            "flash_attn": o.flash_attn,
+            "sizes": sorted(sizes),
+        }
 
     def measure_costs(self, sizes: Iterable[int], reps: int = 9, position: int = 64) -> Costs:
         """Measure (again) at `position` tokens into the context; later decoders use these."""

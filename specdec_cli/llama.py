@@ -189,6 +189,7 @@ class Context:
         # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
         self.n_batch: int = cparams.n_batch
+        self.threads: int = params.n_threads
         self.memory = llama_cpp.llama_get_memory(self.ptr)
         self.decode_seconds = 0.0
         self.decode_calls = 0

@@ -5,7 +5,7 @@ Each file takes milliseconds to write; they live under pytest's tmp_path_factory
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,6 +35,15 @@ SEED = 0
 N_PAD = 16  # padding tokens in padded_vocab_model: 495 + 16 = 511 tokens
 
 ModelPairFactory = Callable[[int], tuple[Path, Path]]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Measured costs go to a directory of the test session's, never the user's cache."""
+    path = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDEC_CACHE_DIR", str(path))
+        yield path
 
 
 def target_tensors(vocab: Vocab) -> dict[str, np.ndarray]:

@@ -1,0 +1,91 @@
+"""Measured costs kept on disk: one measurement per models and settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from specdec_cli import costcache
+from specdec_cli.costmodel import Costs
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions
+from specdec_cli.sampling import GREEDY
+
+COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_saved_costs_load_unchanged(cache: Path) -> None:
+    assert costcache.load("abc") is None
+    costcache.save("abc", COSTS)
+    assert costcache.load("abc") == COSTS
+    assert len(list(cache.rglob("*.json"))) == 1
+
+
+def test_a_damaged_entry_is_measured_again(cache: Path) -> None:
+    costcache.save("abc", COSTS)
+    (entry,) = cache.rglob("*.json")
+    entry.write_text('{"target_seconds": "fast"')
+    assert costcache.load("abc") is None
+
+
+def test_an_unwritable_cache_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker / "cache"))  # under a file
+    costcache.save("abc", COSTS)
+    assert costcache.load("abc") is None
+
+
+def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SPECDEC_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert costcache.cache_dir() == tmp_path / "specdec"
+
+
+def test_key_names_files_and_settings(tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    key = costcache.cache_key([model], {"threads": 2})
+    assert key == costcache.cache_key([model], {"threads": 2})
+    assert key != costcache.cache_key([model], {"threads": 4})
+    os.utime(model, ns=(0, 10**9))  # the file changed: its mtime says so
+    assert key != costcache.cache_key([model], {"threads": 2})
+
+
+def auto_engine(target: Path, draft: Path, threads: int) -> Engine:
+    return Engine(
+        EngineOptions(
+            target=target,
+            draft=draft,
+            n_ctx=256,
+            threads=threads,
+            sampling=GREEDY,
+            drafting=DraftOptions(k="auto", draft_max=4),
+        )
+    )
+
+
+def test_engines_measure_once_per_settings(
+    cache: Path, target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with auto_engine(target_model, draft_model, threads=1) as first:
+        measured = first.costs()
+    assert sorted(measured.verify) == [1, 2, 3, 4, 5]
+
+    def must_not_measure(*args: object, **kwargs: object) -> Costs:
+        raise AssertionError("measured again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Engine, "measure_costs", must_not_measure)
+        with auto_engine(target_model, draft_model, threads=1) as again:
+            assert again.costs() == measured
+    with auto_engine(target_model, draft_model, threads=2) as other:  # other settings
+        assert other.costs() != measured
+    assert len(list(cache.rglob("*.json"))) == 2
