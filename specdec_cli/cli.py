@@ -21,11 +21,12 @@ from specdec_cli.display import (
     bench_progress,
     load_pyplot,
     make_display,
+    note,
     print_bench,
     warn,
     write_plot,
 )
-from specdec_cli.engine import DEFAULT_MODEL_K, DraftOptions, Engine, EngineOptions, parse_k
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_k
 from specdec_cli.errors import UserError
 from specdec_cli.models import locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
@@ -217,7 +218,7 @@ def engine_options(
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
     if k is None:
-        k = str(pair.k) if pair and pair.k else default_k(draft, ngram)
+        k = str(pair.k) if pair and pair.k else "auto"
     if draft_min > draft_max:
         raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
     if ngram_min > ngram_max:
@@ -255,13 +256,6 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
     return (models[0] if models else None), len(models) < len(drafts)
 
 
-def default_k(draft: str | None, ngram: bool) -> str:
-    """Measured on the benchmark pair (benchmarks/README.md): n-gram lookup alone does
-    best choosing k itself; with a draft model, a short fixed draft does best."""
-    with_model = draft is not None and draft.lower() != "none"
-    return str(DEFAULT_MODEL_K) if with_model or not ngram else "auto"
-
-
 SHARED_OPTIONS = (
     "ctx_size", "threads", "threads_draft", "n_gpu_layers", "n_gpu_layers_draft",
     "flash_attn", "temp", "top_k", "top_p", "min_p", "draft_max", "draft_min",
@@ -289,7 +283,7 @@ def run(
             "-k",
             "--draft-length",
             help="Tokens to draft per round, or 'auto' to choose each round from the running "
-            "acceptance and measured costs. (default: 3 with a draft model, auto with ngram)",
+            "acceptance and measured costs. (default: auto)",
         ),
     ] = None,
     prompt: Annotated[
@@ -375,7 +369,9 @@ def run(
     if seed < 0:
         seed = int(np.random.SeedSequence().entropy % 2**32)
     texts = _read_prompts(prompts) if prompts else [_read_prompt(prompt, file)]
-    with Engine(options) as engine, ends_quietly_on_closed_pipe():
+    # Say why the first -k auto run pauses, to a person watching (not to scripts).
+    notify = note if sys.stderr.isatty() else None
+    with Engine(options, notify=notify) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
         if prompts:

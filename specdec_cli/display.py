@@ -33,6 +33,10 @@ def warn(message: str) -> None:
     print(f"specdec: warning: {message}", file=sys.stderr)
 
 
+def note(message: str) -> None:
+    print(f"specdec: {message}", file=sys.stderr)
+
+
 def stats_line(stats: Stats) -> Text:
     line = Text()
     line.append(f"{stats.tokens_per_second:7.1f} tok/s", style="bold green")

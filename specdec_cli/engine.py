@@ -6,7 +6,7 @@ policy, which sampling settings, and the compatibility check between the two mod
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -25,14 +25,13 @@ from specdec_cli.textstream import TextStream
 
 DEFAULT_MAX_CTX = 4096
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
-DEFAULT_MODEL_K = 3  # the best fixed k on the benchmark pair; see benchmarks/README.md
 
 
 @dataclass(frozen=True)
 class DraftOptions:
     """What drafts, and how much. `k` is a number of tokens or "auto"."""
 
-    k: str = str(DEFAULT_MODEL_K)
+    k: str = "auto"
     draft_min: int = 0
     draft_max: int = 16
     p_min: float = 0.0
@@ -77,8 +76,12 @@ def parse_k(k: str) -> int | None:
 
 
 class Engine:
-    def __init__(self, options: EngineOptions) -> None:
+    def __init__(
+        self, options: EngineOptions, notify: Callable[[str], None] | None = None
+    ) -> None:
+        """`notify` hears of slow one-time work (measuring costs), for the user."""
         self.options = options
+        self.notify = notify
         draft_path = options.draft
         self.warnings = check_models(options.target, draft_path)
         init_backend(options.verbose)
@@ -152,6 +155,11 @@ class Engine:
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
             self._costs = costcache.load(key)
             if self._costs is None:
+                if self.notify:
+                    self.notify(
+                        "measuring the models' costs for -k auto (once for these models "
+                        f"and settings; kept in {costcache.cache_dir()})"
+                    )
                 costcache.save(key, self.measure_costs(sizes, reps=3))
         return self._costs
 

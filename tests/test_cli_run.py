@@ -231,7 +231,17 @@ def test_draft_model_with_lookup_first(target_model: Path, draft_model: Path) ->
     args = ["-p", "the cat ran to the dog and the cat ran to the", "-n", "30", *GREEDY]
     alone = specdec("run", "-m", str(target_model), "-q", *args)
     both = specdec(
-        "run", "-m", str(target_model), "-d", str(draft_model), "-d", "ngram", "--json", *args
+        "run",
+        "-m",
+        str(target_model),
+        "-d",
+        str(draft_model),
+        "-d",
+        "ngram",
+        "-k",
+        "3",
+        "--json",
+        *args,
     )
     record = json.loads(both.stdout)
     assert record["text"] == alone.stdout.removesuffix("\n")
@@ -244,3 +254,10 @@ def test_two_draft_models_are_refused(target_model: Path, draft_model: Path) -> 
         "run", "-m", str(target_model), "-d", str(draft_model), "-d", str(target_model), "-p", "hi"
     )
     assert_user_error(result, "one draft model")
+
+
+def test_draft_length_is_auto_by_default(target_model: Path, draft_model: Path) -> None:
+    result = specdec(
+        "run", "-m", str(target_model), "-d", str(draft_model), "-p", "hi", "-n", "8", "--json"
+    )
+    assert json.loads(result.stdout)["k"] == "auto"
