@@ -108,6 +108,9 @@ class AutoLength:
     # A change of k must win back the two graph rebuilds it costs (now, and when k
     # changes again) within this many rounds.
     PAYBACK_ROUNDS = 6
+    # Nor does it grow by more than this in one step: the estimates past the drafted
+    # positions are extrapolated, and a long jump on them chases a lucky streak.
+    MAX_CLIMB = 2
 
     def __init__(
         self,
@@ -204,6 +207,7 @@ class AutoLength:
             return floor
         rungs = [n for n in self.ladder if floor <= n <= top]
         neighbours = [n for n in rungs if n < k][-1:] + [n for n in rungs if n > k][:1]
+        neighbours = [n for n in neighbours if n <= k + self.MAX_CLIMB]
         if not neighbours:
             return k
         now = self.expected_rate(k, estimates)
