@@ -120,7 +120,7 @@ class AutoLength:
         p_min: float = 0.0,
         uses_confidence: bool = True,
         decay: float = 0.93,
-        prior: float = 0.6,
+        prior: float = 0.8,
     ) -> None:
         # Seconds per target token and per draft call follow the machine as it runs; the
         # relative costs of batch sizes keep their measured values, which were taken side

@@ -107,9 +107,11 @@ MEASURED = Costs(
 )
 
 
-def test_auto_steps_one_at_a_time() -> None:
-    chosen = feed(AutoLength(CHEAP, 0, 16, uses_confidence=False), acceptance=0.95, rounds=80)
-    assert all(abs(b - a) <= 1 for a, b in itertools.pairwise(chosen))
+def test_auto_steps_to_a_neighbouring_useful_length() -> None:
+    policy = AutoLength(CHEAP, 0, 16, uses_confidence=False)
+    chosen = feed(policy, acceptance=0.95, rounds=80)
+    rung = {k: i for i, k in enumerate(policy.ladder)}
+    assert all(abs(rung[b] - rung[a]) <= 1 for a, b in itertools.pairwise(chosen))
     assert chosen[-1] >= 6  # and still gets far
 
 
@@ -148,8 +150,8 @@ def test_auto_follows_the_text() -> None:
 
 
 def test_auto_steps_over_lengths_that_are_never_best() -> None:
-    policy = AutoLength(MEASURED, 0, 8, uses_confidence=False)
+    policy = AutoLength(MEASURED, 0, 8, uses_confidence=False, prior=0.6)
     assert policy.ladder[:2] == [1, 3]  # 2 tokens cost less than 1, so k=2 is never best
     chosen = random_rounds(policy, 0.9, 60)
-    assert chosen[0] == 1  # the prior (60 %) starts it short
+    assert chosen[0] == 1  # a prior of 60 % starts it short
     assert set(chosen[-20:]) >= {3} and 2 not in chosen

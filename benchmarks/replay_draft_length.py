@@ -1,0 +1,127 @@
+"""Replay draft-length policies on a pair's real acceptance pattern, without timing noise.
+
+Greedy speculative decoding is fully described by two token streams: what the target
+generates, and what the draft predicts at each position given the target's text so far
+(a round accepts drafts up to the first position where they differ). This script
+records both for the built-in prompts, then replays every policy (fixed k and
+`AutoLength`) over them, charging each round the measured costs: draft calls (one
+more after a round accepted whole), the target's pass over k+1 tokens, and a graph
+rebuild when the batch size changes. Every policy sees the same text, so differences
+of a fraction of a percent are real here, where a timed benchmark drifts by 25 %.
+
+Two modes: "bench" keeps one policy across the prompts and repeats, as `specdec bench`
+does; "fresh" starts a new one per prompt, as separate `specdec run`s do.
+
+    python benchmarks/replay_draft_length.py TARGET.gguf [DRAFT.gguf] [-n 128] [-t 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+
+from specdec_cli.bench import BUILTIN_PROMPTS
+from specdec_cli.costmodel import Costs
+from specdec_cli.drafters import Draft
+from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions
+from specdec_cli.sampling import GREEDY
+from specdec_cli.stats import Stats
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_DRAFT = REPO.parent / "shared" / "models" / "stories260K.gguf"
+MAX_K = 8
+
+
+def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
+    """Per prompt: does the draft's greedy choice equal the target's, position by position."""
+    target_only = engine.make_decoder(None, "1")
+    draft = engine.draft_ctx
+    matches = {}
+    for name, text in BUILTIN_PROMPTS.items():
+        prompt = engine.tokenize(text)
+        generated: list[int] = []
+        rng = np.random.default_rng(0)
+        for new in target_only.generate(prompt, n_predict + MAX_K + 1, rng, Stats()):
+            generated += new
+        sequence = prompt + generated
+        draft.trim(0)
+        draft.decode(sequence, 0, all_logits=True)
+        positions = range(len(prompt) - 1, len(sequence) - 1)
+        guesses = [int(np.argmax(draft.logits(i))) for i in positions]
+        matches[name] = np.array(guesses) == np.array(generated)
+    return matches
+
+
+def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs) -> float:
+    """Tokens per target-token-time of one generation under `policy`."""
+    t = costs.target_seconds
+    done, spent, last_k, whole = 0, 0.0, -1, False
+    while done < n_predict:
+        k = policy.choose(n_predict - done - 1)
+        accepted = 0
+        while accepted < k and match[done + accepted]:
+            accepted += 1
+        calls = k + 1 if k and whole else k
+        draft_cost = calls * costs.draft_over_target
+        verify_cost = costs.verify[k + 1] + (costs.switch if k != last_k else 0.0)
+        policy.observe(
+            Draft(tokens=[0] * k, calls=calls), accepted, draft_cost * t, verify_cost * t
+        )
+        spent += draft_cost + verify_cost
+        done += accepted + 1
+        last_k, whole = k, k > 0 and accepted == k
+    return done / spent
+
+
+def evaluate(make, matches, n_predict, costs, mode, repeats=3) -> dict[str, float]:
+    """Median speed per prompt; "bench" keeps one policy throughout (after a warm-up
+    on 16 tokens of the first prompt), "fresh" makes one per generation."""
+    policy = make()
+    if mode == "bench":
+        replay(policy, next(iter(matches.values())), 16, costs)
+    speeds: dict[str, list[float]] = {name: [] for name in matches}
+    for _ in range(repeats):
+        for name, match in matches.items():
+            current = policy if mode == "bench" else make()
+            speeds[name].append(replay(current, match, n_predict, costs))
+    return {name: float(np.median(v)) for name, v in speeds.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("target", type=Path)
+    parser.add_argument("draft", type=Path, nargs="?", default=DEFAULT_DRAFT)
+    parser.add_argument("-n", type=int, default=128, help="tokens per prompt (default 128)")
+    parser.add_argument("-t", type=int, default=2, help="threads (default 2)")
+    args = parser.parse_args()
+    options = EngineOptions(
+        target=args.target,
+        draft=args.draft,
+        n_ctx=512,
+        threads=args.t,
+        sampling=GREEDY,
+        drafting=DraftOptions(k="1"),
+    )
+    with Engine(options) as engine:
+        matches = record_matches(engine, args.n)
+        costs = engine.measure_costs(range(1, 18), reps=5, position=16 + args.n // 2)
+    print("agreement: " + ", ".join(f"{n} {m[: args.n].mean():.2f}" for n, m in matches.items()))
+    print(f"costs: {costs.to_dict()}")
+    policies = {f"k={k}": (lambda k=k: FixedLength(k)) for k in range(1, MAX_K + 1)}
+    policies["auto"] = lambda: AutoLength(costs, 0, 16, uses_confidence=False)
+    for mode in ("bench", "fresh"):
+        print(f"\n{mode}: tokens per target-token time (speedup at zero overhead)")
+        print("policy\tall\t" + "\t".join(matches))
+        for name, make in policies.items():
+            if mode == "fresh" and name != "auto" and name != "k=3":
+                continue  # a fixed k keeps no state: same as bench
+            speed = evaluate(make, matches, args.n, costs, mode)
+            overall = len(speed) / sum(1 / s for s in speed.values())  # same tokens per prompt
+            print(f"{name}\t{overall:.3f}\t" + "\t".join(f"{s:.2f}" for s in speed.values()))
+
+
+if __name__ == "__main__":
+    main()
