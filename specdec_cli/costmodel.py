@@ -87,36 +87,51 @@ def measure_costs(
     sizes in between are interpolated linearly.
 
     Batches are evaluated after `position` context tokens and cut away again, so the
-    caches are left empty. Each size is decoded twice in a row: the first pass pays
-    for the change of batch shape, the second is the steady cost. Sizes take turns
-    within each repetition, so that a slow moment of the machine does not land on one
-    size only; medians, after one untimed round.
+    caches are left empty. Each measurement is paired with a one-token target pass
+    just before it and taken as a ratio to it: the machine's speed drifts by tens of
+    percent within seconds, and a ratio of two neighbouring timings cancels most of
+    that. Each batch is decoded twice in a row: the first pass pays for the change of
+    batch shape, the second is the steady cost. The order rotates between
+    repetitions; medians, after one untimed round.
     """
     context = [target.model.bos] * position
     sizes = sorted({1, *sizes})
-    contexts = [(target, n) for n in sizes] + ([(draft, 1)] if draft is not None else [])
-    steady: dict[int, list[float]] = {}
-    switched: dict[int, list[float]] = {}
-    for ctx, _ in contexts:
+    probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
+    for ctx, _ in [(target, 1), *probes]:
         ctx.trim(0)
         ctx.decode(context, 0)
+
+    def twice(ctx: Context, n: int) -> tuple[float, float]:
+        """Seconds of the first (shape changed) and the second (steady) pass."""
+        times = []
+        for _ in range(2):
+            before = ctx.decode_seconds
+            ctx.decode(context[:1] * n, len(context), all_logits=True)
+            ctx.trim(len(context))
+            times.append(ctx.decode_seconds - before)
+        return times[0], times[1]
+
+    one: list[float] = []
+    ratio: dict[int, list[float]] = {i: [] for i in range(len(probes))}
+    rebuild: list[float] = []  # the extra cost of a first pass, in one-token passes
     for rep in range(reps + 1):
-        for i, (ctx, n) in enumerate(contexts):
-            for timings in (switched, steady):
-                before = ctx.decode_seconds
-                ctx.decode(context[:1] * n, len(context), all_logits=True)
-                ctx.trim(len(context))
-                if rep:
-                    timings.setdefault(i, []).append(ctx.decode_seconds - before)
-    for ctx, _ in contexts:
+        for i in np.roll(np.arange(len(probes)), rep):
+            ctx, n = probes[i]
+            _, base = twice(target, 1)
+            first, steady = twice(ctx, n)
+            if rep:
+                one.append(base)
+                ratio[i].append(steady / base)
+                if ctx is target:
+                    rebuild.append((first - steady) / base)
+    for ctx, _ in [(target, 1), *probes]:
         ctx.trim(0)
-    medians = [statistics.median(steady[i]) for i in range(len(contexts))]
-    one = medians[0]
-    ratios = [t / one for t in medians[: len(sizes)]]
-    c = medians[-1] / one if draft is not None else 0.0
+    medians = [statistics.median(ratio[i]) for i in range(len(probes))]
+    ratios = [1.0, *medians[: len(sizes) - 1]]
+    c = medians[-1] if draft is not None else 0.0
     verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
-    extra = [statistics.median(switched[i]) - medians[i] for i in range(len(sizes))]
-    return Costs(one, c, verify, max(0.0, statistics.median(extra) / one))
+    switch = max(0.0, statistics.median(rebuild)) if rebuild else 0.0
+    return Costs(statistics.median(one), c, verify, switch)
 
 
 def median_costs(measured: Sequence[Costs]) -> Costs:

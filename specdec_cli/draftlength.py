@@ -108,6 +108,9 @@ class AutoLength:
     # A change of k must win back the two graph rebuilds it costs (now, and when k
     # changes again) within this many rounds.
     PAYBACK_ROUNDS = 6
+    # ...and must promise at least this much: measured batch costs vary by about as
+    # much between measurements (the machine drifts), so a smaller gain is noise.
+    MIN_GAIN = 0.05
     # Nor does it grow by more than this in one step: the estimates past the drafted
     # positions are extrapolated, and a long jump on them chases a lucky streak.
     MAX_CLIMB = 2
@@ -214,7 +217,8 @@ class AutoLength:
         best = max(neighbours, key=lambda n: self.expected_rate(n, estimates))
         gain = (self.expected_rate(best, estimates) - now) * self.cost(best)  # tokens a round
         rebuilds = 2 * self.switch * self.target_seconds * now  # tokens two rebuilds cost
-        return best if gain * self.PAYBACK_ROUNDS > rebuilds else k
+        better = self.expected_rate(best, estimates) > now * (1.0 + self.MIN_GAIN)
+        return best if better and gain * self.PAYBACK_ROUNDS > rebuilds else k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:
