@@ -172,6 +172,7 @@ class BenchReport:
             "acceptance_rate": round(t.acceptance_rate, 4),
             "tokens_per_pass": round(t.tokens_per_pass, 4),
             "k_mean": round(t.mean_k, 3),
+            "k_histogram": {str(k): n for k, n in sorted(t.draft_lengths.items())},
             "time_share": {
                 "draft": round(t.draft_seconds / seconds, 4),
                 "verify": round(t.verify_seconds / seconds, 4),

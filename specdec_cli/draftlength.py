@@ -114,6 +114,9 @@ class AutoLength:
     # Nor does it grow by more than this in one step: the estimates past the drafted
     # positions are extrapolated, and a long jump on them chases a lucky streak.
     MAX_CLIMB = 2
+    # The prior weighs as much as this many rounds while evidence builds up: less, and
+    # a few early misses send a fresh run to k=1 for a while.
+    PRIOR_ROUNDS = 3
 
     def __init__(
         self,
@@ -263,10 +266,10 @@ class AutoLength:
         for i in range(self.k_max):
             if i < tested:
                 hit = 1.0 if i < accepted else 0.0
-                # A plain mean over the first rounds (the prior counting as one), so
-                # that the start is quick; a decayed one once there are enough.
+                # A plain mean over the first rounds (with the prior), so that the
+                # start is quick; a decayed one once there are enough.
                 self.tested[i] += 1
-                step = max(learn, 1.0 / (self.tested[i] + 1))
+                step = max(learn, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
                 self.accept[i] += step * (hit - self.accept[i])
                 self.weight[i] += step * (1.0 - self.weight[i])
             else:
