@@ -82,19 +82,20 @@ class AutoLength:
 
     Expected tokens of a k-token draft: 1 + a1 + a1*a2 + ... + a1*...*ak, where ai is
     the chance that draft token i is accepted once the ones before it were. Its cost:
-    k draft calls and one target pass over k+1 tokens: the measured `costs`, rescaled
-    as the rounds show the machine speeding up or slowing down. The ai are running
+    k draft calls (one more after a round accepted whole) and one target pass over k+1
+    tokens: the measured `costs`, rescaled as the rounds show the machine speeding up
+    or slowing down. The ai are running
     averages per position that forget old rounds (`decay`), so k follows the text.
 
     k moves one step at a time, and only when the step pays for itself: every change
     of batch size costs llama.cpp a rebuild of its compute graph, which a steady k
     never pays, and the estimates beyond the positions drafted lately are guesses. A
     step goes to the next length that is the best for some acceptance rate (batch
-    costs are uneven: on the benchmark pair k=2 never is). Replayed on the benchmark
-    prompts' real acceptance patterns, choosing the best k afresh each round, or
-    holding each choice for a few rounds, lost 1-6 % to the best fixed k; this rule
-    comes within about 1 % of it where one k suits every prompt, and beats it where
-    the prompts' acceptance differs.
+    costs are uneven: on the benchmark pair k=2 never is). Replayed on real acceptance
+    patterns (benchmarks/replay_draft_length.py), choosing the best k afresh each
+    round, or holding each choice for a few rounds, lost 1-7 % to the best fixed k;
+    this rule drafts what the best fixed k drafts on the benchmark pair, and comes
+    within about 1 % of the best fixed k where that changes from prompt to prompt.
 
     With `uses_confidence` (a draft model and --draft-p-min), the draft's confidence
     refines the plan while drafting: it stops early when the tokens it would still
@@ -217,11 +218,11 @@ class AutoLength:
         if not neighbours:
             return k
         now = self.expected_rate(k, estimates)
-        best = max(neighbours, key=lambda n: self.expected_rate(n, estimates))
-        gain = (self.expected_rate(best, estimates) - now) * self.cost(best)  # tokens a round
+        rate, best = max((self.expected_rate(n, estimates), n) for n in neighbours)
+        gain = (rate - now) * self.cost(best)  # tokens a round
         rebuilds = 2 * self.switch * self.target_seconds * now  # tokens two rebuilds cost
-        better = self.expected_rate(best, estimates) > now * (1.0 + self.MIN_GAIN)
-        return best if better and gain * self.PAYBACK_ROUNDS > rebuilds else k
+        worth_it = rate > now * (1.0 + self.MIN_GAIN) and gain * self.PAYBACK_ROUNDS > rebuilds
+        return best if worth_it else k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:

@@ -76,9 +76,7 @@ def parse_k(k: str) -> int | None:
 
 
 class Engine:
-    def __init__(
-        self, options: EngineOptions, notify: Callable[[str], None] | None = None
-    ) -> None:
+    def __init__(self, options: EngineOptions, notify: Callable[[str], None] | None = None) -> None:
         """`notify` hears of slow one-time work (measuring costs), for the user."""
         self.options = options
         self.notify = notify
