@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
+from llama_cpp import __version__ as LLAMA_CPP_PYTHON
+
 from specdec_cli.costmodel import Costs
 
 FORMAT = 1  # bump when the meaning of a measurement changes
@@ -37,11 +39,9 @@ def _file_identity(path: Path) -> list[object]:
 
 def cache_key(models: Iterable[Path], settings: dict[str, object]) -> str:
     """A name for the costs of these model files under these settings."""
-    from llama_cpp import __version__ as binding
-
     identity = {
         "format": FORMAT,
-        "llama_cpp_python": binding,
+        "llama_cpp_python": LLAMA_CPP_PYTHON,
         "models": [_file_identity(p) for p in models],
         "settings": settings,
     }
