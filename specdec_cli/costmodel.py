@@ -97,6 +97,7 @@ def measure_costs(
     context = [target.model.bos] * position
     sizes = sorted({1, *sizes})
     probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
+    probes = probes or [(target, 1)]  # one-token passes alone: a ratio of 1
     for ctx, _ in [(target, 1), *probes]:
         ctx.trim(0)
         ctx.decode(context, 0)

@@ -188,3 +188,9 @@ def test_measure_costs_leaves_the_caches_empty(contexts: tuple[Context, Context]
     target.trim(0)
     draft.decode(prompt, 0)
     draft.trim(0)
+
+
+def test_measure_costs_of_one_token_only(contexts: tuple[Context, Context]) -> None:
+    target, _ = contexts
+    costs = measure_costs(target, None, [1], reps=1)
+    assert costs.verify == {1: 1.0} and costs.target_seconds > 0
