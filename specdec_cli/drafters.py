@@ -179,18 +179,41 @@ class NgramDrafter:
 
 
 class LookupThenModel:
-    """N-gram lookup where the text so far offers a match, the draft model elsewhere:
-    copied stretches cost no drafting at all."""
+    """N-gram lookup where the text so far offers a match and its guesses have lately
+    been accepted at least as often as the draft model's; the draft model elsewhere.
+    Copied stretches then cost no drafting at all, and text the lookup guesses badly
+    (a story that only half repeats itself) is left to the model.
+
+    Every round's lookup guess is scored against what the target then produced,
+    whether it was used or not, so its rate stays current while the model drafts.
+    """
 
     name = "model+ngram"
+    DECAY = 0.9  # per scored token
 
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
         self.lookup, self.model = lookup, model
         self.ctx = model.ctx
+        self.hit_rate = {lookup.name: 1.0, model.name: 1.0}  # the model, until the lookup wins
+        self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
 
     def begin(self, prompt: list[int]) -> None:
         self.lookup.begin(prompt)
         self.model.begin(prompt)
+        self._guesses = []
+
+    def _score(self, tokens: list[int]) -> None:
+        """Last round's guesses against what followed: tokens up to the first miss were
+        tested (as the target would have), the rest were not."""
+        for source, start, guess in self._guesses:
+            truth = tokens[start : start + len(guess)]
+            hits = 0
+            while hits < len(truth) and guess[hits] == truth[hits]:
+                hits += 1
+            tested = min(len(truth), hits + 1)
+            for i in range(tested):
+                self.hit_rate[source] += (1.0 - self.DECAY) * ((i < hits) - self.hit_rate[source])
+        self._guesses = []
 
     def propose(
         self,
@@ -199,5 +222,12 @@ class LookupThenModel:
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
     ) -> Draft:
-        draft = self.lookup.propose(tokens, k, rng)
-        return draft if draft.tokens else self.model.propose(tokens, k, rng, keep_drafting)
+        self._score(tokens)
+        guess = self.lookup.propose(tokens, k, rng)
+        if guess.tokens:
+            self._guesses.append((self.lookup.name, len(tokens), guess.tokens))
+            if self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]:
+                return guess
+        draft = self.model.propose(tokens, k, rng, keep_drafting)
+        self._guesses.append((self.model.name, len(tokens), draft.tokens))
+        return draft
