@@ -1,7 +1,7 @@
 """Measured costs kept on disk, so that -k auto measures once per models and settings.
 
 Measuring the target's cost per batch size takes a few hundred target token-times
-(about 260 for the benchmark pair: a second; at 150 ms a token, most of a minute). The
+(about 340 for the benchmark pair: 1.5 s; at 150 ms a token, close to a minute). The
 costs depend on the model files, the hardware and the settings that change how
 llama.cpp runs them, so that is the key; anything else (another prompt, another -n)
 reuses the measurement. A cache that cannot be read or written is no error: the

@@ -158,7 +158,7 @@ class Engine:
                         "measuring the models' costs for -k auto (once for these models "
                         f"and settings; kept in {costcache.cache_dir()})"
                     )
-                costcache.save(key, self.measure_costs(sizes, reps=3))
+                costcache.save(key, self.measure_costs(sizes, reps=5))
         return self._costs
 
     def _model_paths(self) -> list[Path]:
