@@ -180,7 +180,7 @@ class NgramDrafter:
 
 class LookupThenModel:
     """N-gram lookup where the text so far offers a match and its guesses have lately
-    been accepted at least as often as the draft model's; the draft model elsewhere.
+    been accepted more often than the draft model's; the draft model elsewhere.
     Copied stretches then cost no drafting at all, and text the lookup guesses badly
     (a story that only half repeats itself) is left to the model.
 
