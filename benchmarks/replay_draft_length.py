@@ -18,6 +18,7 @@ does; "fresh" starts a new one per prompt, as separate `specdec run`s do.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +77,14 @@ def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs)
     return done / spent
 
 
-def evaluate(make, matches, n_predict, costs, mode, repeats=3) -> dict[str, float]:
+def evaluate(
+    make: Callable[[], DraftLength],
+    matches: dict[str, np.ndarray],
+    n_predict: int,
+    costs: Costs,
+    mode: str,
+    repeats: int = 3,
+) -> dict[str, float]:
     """Median speed per prompt; "bench" keeps one policy throughout (after a warm-up
     on 16 tokens of the first prompt), "fresh" makes one per generation."""
     policy = make()

@@ -12,6 +12,7 @@ Where: $SPECDEC_CACHE_DIR, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -56,28 +57,18 @@ def _path(key: str) -> Path:
 def load(key: str) -> Costs | None:
     try:
         data = json.loads(_path(key).read_text())
-        return Costs(
-            target_seconds=float(data["target_seconds"]),
-            draft_over_target=float(data["draft_over_target"]),
-            verify={int(n): float(v) for n, v in data["verify"].items()},
-            switch=float(data["switch"]),
-        )
+        verify = {int(n): float(v) for n, v in data.pop("verify").items()}
+        return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
 
 
 def save(key: str, costs: Costs) -> None:
     path = _path(key)
-    data = {
-        "target_seconds": costs.target_seconds,
-        "draft_over_target": costs.draft_over_target,
-        "verify": {str(n): v for n, v in costs.verify.items()},
-        "switch": costs.switch,
-    }
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(data, indent=1))
+        temporary.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
         temporary.replace(path)  # atomic: a concurrent reader sees all or nothing
     except OSError:
         pass
