@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -19,6 +20,16 @@ from specdec_cli.sampling import SamplingParams, distribution, verify_greedy, ve
 from specdec_cli.stats import Stats
 
 NO_DRAFT = Draft()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round's new tokens: the first `n_drafted` were the drafter's, accepted by the
+    target; the rest (at most one) is the target's own."""
+
+    tokens: list[int]
+    n_drafted: int
+    source: str = ""
 
 
 class Decoder:
@@ -38,7 +49,7 @@ class Decoder:
 
     def generate(
         self, prompt: list[int], n_predict: int, rng: np.random.Generator, stats: Stats
-    ) -> Iterator[list[int]]:
+    ) -> Iterator[Round]:
         """Yield each round's new tokens until EOS, `n_predict` tokens or a full context.
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
@@ -103,7 +114,7 @@ class Decoder:
                 tokens += new
                 n_new += len(new)
                 stats.seconds = time.perf_counter() - t_gen
-                yield new
+                yield Round(new, min(n_accepted, len(new)), draft.source)
                 if stats.stop_reason:
                     return
                 if n_new >= n_predict:

@@ -49,6 +49,8 @@ class EngineOptions:
     threads_draft: int = 0  # 0: same as threads
     n_gpu_layers: int = 0
     n_gpu_layers_draft: int = 0
+    n_batch: int = 2048  # llama.cpp's -b: tokens one decode call takes
+    n_ubatch: int = 512  # llama.cpp's -ub: tokens one compute graph takes
     flash_attn: str = "off"  # measured faster on CPU here: see README
     verbose: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
@@ -213,7 +215,7 @@ class Engine:
         rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
         try:
             for new in rounds:
-                for token in new:
+                for token in new.tokens:
                     text = stream.push(self.model.piece(token))
                     if text:
                         yield text

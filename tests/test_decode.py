@@ -48,7 +48,7 @@ def generate(
     out: list[int] = []
     rng = np.random.default_rng(seed)
     for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, stats):
-        out += new
+        out += new.tokens
     return out, stats
 
 
@@ -217,7 +217,7 @@ def first_tokens(engine: Engine, seeds: range, decoder: Decoder | None = None) -
         out: list[int] = []
         rng = np.random.default_rng(seed)
         for new in (decoder or engine.decoder).generate(prompt, N_FIRST, rng, Stats()):
-            out += new
+            out += new.tokens
         rows.append(out)
     return np.array(rows)
 
