@@ -46,10 +46,10 @@ def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
         generated: list[int] = []
         rng = np.random.default_rng(0)
         for new in target_only.generate(prompt, n_predict + MAX_K + 1, rng, Stats()):
-            generated += new
+            generated += new.tokens
         sequence = prompt + generated
         draft.trim(0)
-        draft.decode(sequence, 0, all_logits=True)
+        draft.decode(sequence, 0, n_logits=len(sequence))
         positions = range(len(prompt) - 1, len(sequence) - 1)
         guesses = [int(np.argmax(draft.logits(i))) for i in positions]
         matches[name] = np.array(guesses) == np.array(generated)

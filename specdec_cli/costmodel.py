@@ -107,7 +107,8 @@ def measure_costs(
         times = []
         for _ in range(2):
             before = ctx.decode_seconds
-            ctx.decode(context[:1] * n, len(context), all_logits=True)
+            ctx.checkpoint(n)
+            ctx.decode(context[:1] * n, len(context), n_logits=n)
             ctx.trim(len(context))
             times.append(ctx.decode_seconds - before)
         return times[0], times[1]

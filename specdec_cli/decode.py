@@ -66,8 +66,6 @@ class Decoder:
         draft_ctx = drafter.ctx if drafter else None
         stats.k = self.label
         t_start = time.perf_counter()
-        # The target's cache holds every token but the last; the last goes into the
-        # next verification batch, whose first row of logits predicts the next token.
         target.trim(0)
         target.decode(prompt[:-1], 0)
         if drafter:
@@ -86,18 +84,25 @@ class Decoder:
         keep_drafting = self.length.keep_drafting if self.length.uses_confidence else None
         try:
             while True:
-                # A round yields at most k + 1 tokens: stay within -n and the context.
-                limit = min(n_predict - n_new, target.n_ctx - len(tokens)) - 1
+                # The target has not seen the last token (nor, after a recurrent model's
+                # rewind, a few before it): they go first in the verification batch, and
+                # the row of the last one predicts the next token.
+                unseen = tokens[len(target.tokens) :]
+                # A round yields at most k + 1 tokens: stay within -n and the context,
+                # and verify in one decode call (the logits of one call are all kept).
+                room = min(n_predict - n_new, target.n_ctx - len(tokens))
+                limit = min(room - 1, target.n_batch - len(unseen))
                 k = self.length.choose(limit) if drafter else 0
                 draft_start = _decode_seconds(draft_ctx)
                 draft = drafter.propose(tokens, k, rng, keep_drafting) if k > 0 else NO_DRAFT
                 verify_start = target.decode_seconds
 
-                n_past = len(tokens) - 1
-                target.decode([tokens[-1], *draft.tokens], n_past, all_logits=True)
+                target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
+                batch = [*unseen, *draft.tokens]
+                target.decode(batch, len(target.tokens), n_logits=len(draft.tokens) + 1)
                 n_accepted, next_token = self._verify(draft, rng)
-                # Keep the cache entries of the accepted drafts, drop the rejected ones.
-                target.trim(n_past + 1 + n_accepted)
+                # Keep the accepted drafts, drop the rejected ones.
+                target.rewind(len(tokens) + n_accepted)
                 self.length.observe(
                     draft,
                     n_accepted,

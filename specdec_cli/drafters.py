@@ -70,14 +70,14 @@ class ModelDrafter:
         self._n_cached, self._unchecked = len(prompt) - 1, []
 
     def _sync(self, tokens: list[int]) -> int:
-        """Drop the cached draft tokens that were not accepted; return the cache length."""
+        """Drop the cached draft tokens that were not accepted; return the cache length
+        (shorter, after a recurrent model's rewind to its checkpoint)."""
         n = self._n_cached
         for token in self._unchecked:
             if n >= len(tokens) or tokens[n] != token:
                 break
             n += 1
-        self.ctx.trim(n)
-        return n
+        return self.ctx.rewind(n)
 
     def propose(
         self,
@@ -93,9 +93,11 @@ class ModelDrafter:
             # graph while the batch keeps its shape, and every draft step is one token.
             for pos in range(n_keep, len(tokens)):
                 self.ctx.decode(tokens[pos : pos + 1], pos)
-        else:  # catching up after another drafter's round: one batch
+        else:  # catching up after a rewind or another drafter's round: one batch
             self.ctx.decode(tokens[n_keep:], n_keep)
         draft = Draft(source=self.name, calls=pending if pending <= 2 else 1)
+        if k > 1:
+            self.ctx.checkpoint()  # the drafts it evaluates may be rejected
         n_evaluated = 0  # draft tokens this context has seen: all but the last, usually
         for i in range(k):
             if i:

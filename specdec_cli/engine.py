@@ -90,7 +90,17 @@ class Engine:
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX)
         threads = options.threads or physical_cores()
         self.target = self._own(
-            Context(self.model, ContextParams(n_ctx, threads, options.flash_attn))
+            Context(
+                self.model,
+                ContextParams(
+                    n_ctx,
+                    threads,
+                    options.flash_attn,
+                    options.n_batch,
+                    options.n_ubatch,
+                    n_rs_seq=self._longest_draft(),
+                ),
+            )
         )
         self.draft_ctx: Context | None = None
         self._costs: Costs | None = None
@@ -98,12 +108,22 @@ class Engine:
             draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
             # The draft must be able to hold the same sequence as the target.
             draft_params = ContextParams(
-                self.target.n_ctx, options.threads_draft or threads, options.flash_attn
+                self.target.n_ctx,
+                options.threads_draft or threads,
+                options.flash_attn,
+                options.n_batch,
+                options.n_ubatch,
             )
             self.draft_ctx = self._own(Context(draft_model, draft_params))
         self.decoder = self.make_decoder(
             drafter_kind(draft_path is not None, options.ngram), options.drafting.k
         )
+
+    def _longest_draft(self) -> int:
+        """The most draft tokens one round can verify, within one decode call."""
+        d = self.options.drafting
+        n = parse_k(d.k) or d.draft_max
+        return max(0, min(n, self.options.n_batch - 1))
 
     def _own(self, obj):
         self._owned.append(obj)

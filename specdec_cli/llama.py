@@ -87,6 +87,12 @@ class Model:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self.ptr)
         self.bos: int = llama_cpp.llama_vocab_bos(self.vocab)
+        # Recurrent and hybrid models keep a state that cannot be cut back to a position.
+        is_recurrent, is_hybrid = (
+            llama_cpp.llama_model_is_recurrent,
+            llama_cpp.llama_model_is_hybrid,
+        )
+        self.recurrent: bool = is_recurrent(self.ptr) or is_hybrid(self.ptr)
         self._pieces: dict[int, bytes] = {}
 
     def close(self) -> None:
@@ -158,27 +164,36 @@ class ContextParams:
     n_ctx: int
     n_threads: int
     flash_attn: str = "auto"
-    n_batch: int = 512
+    n_batch: int = 2048
+    n_ubatch: int = 512
+    # Recurrent models: how many tokens of the last decode call llama.cpp keeps state
+    # snapshots for, so that trim can drop them without a checkpoint (where supported).
+    n_rs_seq: int = 0
 
 
 class Context:
-    """One model's inference state: its KV cache holds a single token sequence.
+    """One model's inference state: its memory holds a single token sequence.
 
-    `decode` is the only way tokens enter the cache; `trim` is the only way they leave.
-    Time spent inside llama.cpp's decode is summed in `decode_seconds`, so callers can
-    tell the engine's cost from their own.
+    `decode` is the only way tokens enter the memory; `trim` is the only way they leave.
+    Attention caches drop any suffix. A recurrent state (Mamba, RWKV, the recurrent
+    layers of hybrids) cannot be cut back: `checkpoint` saves it first, and `trim`
+    restores that copy and evaluates again the tokens kept after it. Time spent inside
+    llama.cpp's decode is summed in `decode_seconds`, so callers can tell the engine's
+    cost from their own.
     """
 
     def __init__(self, model: Model, params: ContextParams) -> None:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = params.n_ctx
         cparams.n_batch = min(params.n_batch, params.n_ctx)
-        cparams.n_ubatch = cparams.n_batch
+        cparams.n_ubatch = min(params.n_ubatch, cparams.n_batch)
         cparams.n_seq_max = 1
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
         cparams.flash_attn_type = FLASH_ATTN[params.flash_attn]
         cparams.no_perf = False  # keep llama.cpp's own decode timing: see perf_seconds()
+        self.recurrent = model.recurrent
+        cparams.n_rs_seq = params.n_rs_seq if self.recurrent else 0
         self.model = model
         self.ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not self.ptr:
@@ -190,9 +205,14 @@ class Context:
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
         self.n_batch: int = cparams.n_batch
         self.threads: int = params.n_threads
+        # llama.cpp grants snapshots only to the families it supports them for (else 0).
+        self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self.ptr) if self.recurrent else 0
         self.memory = llama_cpp.llama_get_memory(self.ptr)
         self.decode_seconds = 0.0
         self.decode_calls = 0
+        self.tokens: list[int] = []  # what the memory holds, by position
+        self._last_call_start = 0  # position of the first token of the last decode call
+        self._checkpoint = _Checkpoint()
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         # Every token belongs to sequence 0: set that once, then fill the batch through
         # numpy views of its arrays instead of element by element through ctypes.
@@ -211,17 +231,22 @@ class Context:
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
 
-    def decode(self, tokens: Sequence[int], pos: int, all_logits: bool = False) -> None:
-        """Evaluate `tokens` at positions pos, pos+1, ...; keep logits for every token
-        (`all_logits`) or only for the last one. Long inputs go in n_batch chunks."""
+    def decode(self, tokens: Sequence[int], pos: int, n_logits: int = 1) -> None:
+        """Evaluate `tokens` at positions pos, pos+1, ...; keep logits for the last
+        `n_logits` of them. Long inputs go in n_batch chunks: only rows of the last
+        chunk stay readable."""
+        if pos != len(self.tokens):
+            raise RuntimeError(
+                f"{self.model.path.name}: decoding at position {pos}, but the memory holds "
+                f"{len(self.tokens)} tokens"
+            )
+        first_wanted = len(tokens) - n_logits
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             n = len(chunk)
             self._tokens[:n] = chunk
             np.add(self._offsets[:n], pos + start, out=self._pos[:n])
-            self._want[:n] = all_logits
-            if start + n == len(tokens):
-                self._want[n - 1] = 1
+            np.greater_equal(self._offsets[:n], first_wanted - start, out=self._want[:n])
             self._batch.n_tokens = n
             t0 = time.perf_counter()
             status = llama_cpp.llama_decode(self.ptr, self._batch)
@@ -232,8 +257,11 @@ class Context:
             self.decode_calls += 1
             if status != 0:
                 raise RuntimeError(
-                    f"llama_decode failed with status {status} at position {pos + start}"
+                    f"{self.model.path.name}: llama_decode failed with status {status} "
+                    f"at position {pos + start}"
                 )
+            self._last_call_start = pos + start
+            self.tokens.extend(chunk)
 
     def logits(self, i: int) -> np.ndarray:
         """Row i of the last decode's logits (i counts the tokens that asked for logits;
@@ -243,11 +271,93 @@ class Context:
             self._row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
         )
 
+    def checkpoint(self, n_ahead: int | None = None) -> None:
+        """Make the current length a point `trim` can come back to, once up to `n_ahead`
+        more tokens are decoded in one call (None: in any number of calls).
+
+        Only recurrent states need this. When llama.cpp keeps enough snapshots of the
+        next call's states, nothing needs to be saved either.
+        """
+        if not self.recurrent or (n_ahead is not None and n_ahead <= self.n_rs_seq):
+            return
+        self._checkpoint.save(self.ptr, len(self.tokens))
+
+    def rewind(self, n_keep: int) -> int:
+        """Forget every token at position >= n_keep, or, for a recurrent state, go back
+        to the checkpoint at or before n_keep. Returns how many tokens the memory holds:
+        the caller evaluates the rest again, with the next tokens it has to decode."""
+        if len(self.tokens) <= n_keep:
+            return len(self.tokens)
+        if n_keep > 0 and self.recurrent and not self._within_snapshots(n_keep):
+            n_keep = self._checkpoint.restore(self.ptr, n_keep, self.model.path.name)
+        self._remove_from(n_keep)  # for a hybrid, its attention layers; never fails at 0
+        del self.tokens[n_keep:]
+        self._checkpoint.forget_after(n_keep)
+        return n_keep
+
     def trim(self, n_keep: int) -> None:
-        """Forget every cached token at position >= n_keep."""
-        llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, n_keep, -1)
+        """Forget every token at position >= n_keep, replaying what a rewind undid."""
+        kept = self.tokens[:n_keep]
+        n = self.rewind(n_keep)
+        self.decode(kept[n:], n)
+
+    def _within_snapshots(self, n_keep: int) -> bool:
+        """llama.cpp's snapshots cover the trailing tokens of the last decode call only:
+        going further back (or twice without a decode) would silently give a wrong state."""
+        return n_keep > self._last_call_start and len(self.tokens) - n_keep <= self.n_rs_seq
+
+    def _remove_from(self, pos: int) -> None:
+        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, pos, -1):
+            raise RuntimeError(
+                f"llama.cpp could not remove tokens from position {pos} of "
+                f"{self.model.path.name}'s memory"
+            )
 
     def perf_seconds(self) -> float:
         """llama.cpp's own clock of its decode calls (from decode to results), summed."""
         data = llama_cpp.llama_perf_context(self.ptr)
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
+
+
+class _Checkpoint:
+    """A copy of a sequence's recurrent state, in a buffer reused from call to call.
+
+    PARTIAL_ONLY saves only what cannot be cut back (the recurrent state, not a
+    hybrid's attention cache), which keeps the copy small.
+    """
+
+    FLAGS = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+    def __init__(self) -> None:
+        self.n_tokens: int | None = None  # the sequence length it was taken at
+        self._buffer = (ctypes.c_uint8 * 0)()
+        self._size = 0
+
+    def save(self, ctx: llama_cpp.llama_context_p, n_tokens: int) -> None:
+        size = llama_cpp.llama_state_seq_get_size_ext(ctx, _SEQ, self.FLAGS)
+        if size > len(self._buffer):
+            self._buffer = (ctypes.c_uint8 * size)()
+        self._size = llama_cpp.llama_state_seq_get_data_ext(
+            ctx, self._buffer, size, _SEQ, self.FLAGS
+        )
+        if self._size == 0:
+            raise RuntimeError("llama.cpp could not save the recurrent state")
+        self.n_tokens = n_tokens
+
+    def restore(self, ctx: llama_cpp.llama_context_p, n_keep: int, name: str) -> int:
+        """Put the saved state back, if it was taken at or before n_keep; its length."""
+        if self.n_tokens is None or self.n_tokens > n_keep:
+            raise RuntimeError(
+                f"{name} is recurrent and has no checkpoint at or before position {n_keep} "
+                "to return to"
+            )
+        if not llama_cpp.llama_state_seq_set_data_ext(
+            ctx, self._buffer, self._size, _SEQ, self.FLAGS
+        ):
+            raise RuntimeError(f"llama.cpp could not restore the recurrent state of {name}")
+        return self.n_tokens
+
+    def forget_after(self, n_tokens: int) -> None:
+        """The sequence was cut before this copy was taken: it no longer applies."""
+        if self.n_tokens is not None and self.n_tokens > n_tokens:
+            self.n_tokens = None

@@ -25,6 +25,7 @@ def open_engine(
     k: int | str = 4,
     sampling: SamplingParams = GREEDY,
     n_ctx: int = 256,
+    n_batch: int = 2048,
 ) -> Engine:
     """`draft` is a model file, "ngram", or None."""
     return Engine(
@@ -33,6 +34,7 @@ def open_engine(
             draft=None if draft == "ngram" else draft,
             ngram=draft == "ngram",
             n_ctx=n_ctx,
+            n_batch=n_batch,
             threads=1,
             sampling=sampling,
             drafting=DraftOptions(k=str(k)),
@@ -119,6 +121,26 @@ def test_greedy_stories260k(stories260k: Path, stories_reference, k: int) -> Non
             out, stats = generate(engine, n_predict=128)
         assert out == stories_reference
         assert stats.accepted > 0
+
+
+def test_drafts_longer_than_a_batch_are_cut_to_one(stories260k: Path) -> None:
+    """A copy prompt makes the lookup draft hundreds of tokens: each round must still
+    verify in one decode call, or the rows of the earlier chunks are lost."""
+    n_batch = 64
+    with open_engine(stories260k, n_ctx=1024, n_batch=n_batch) as engine:
+        story = engine.tokenize(PROMPT) + generate(engine, n_predict=300)[0]
+    copy_prompt = [*story, *story[1:20]]  # the story again, cut short: copy the rest
+    results = []
+    for draft, k in ((None, 1), ("ngram", 600)):
+        with open_engine(stories260k, draft, k, n_ctx=1024, n_batch=n_batch) as engine:
+            stats = Stats()
+            out: list[int] = []
+            for new in engine.decoder.generate(copy_prompt, 200, np.random.default_rng(0), stats):
+                out += new.tokens
+            results.append((out, stats))
+    (reference, _), (speculative, stats) = results
+    assert speculative == reference
+    assert max(stats.draft_lengths) == n_batch - 1  # it drafted as far as a batch allows
 
 
 class WrongDrafter:
