@@ -83,7 +83,7 @@ class Engine:
         self.options = options
         self.notify = notify
         draft_path = options.draft
-        self.warnings = check_models(options.target, draft_path)
+        self.warnings = check_models(options.target, draft_path) + batch_warnings(options)
         init_backend(options.verbose)
         self._owned: list[Model | Context] = []
         self.model = self._own(Model(options.target, options.n_gpu_layers))
@@ -247,6 +247,19 @@ class Engine:
                 yield tail
         finally:
             rounds.close()
+
+
+def batch_warnings(options: EngineOptions) -> list[str]:
+    """A round verifies its draft in one decode call of at most -b tokens: the draft
+    token plus the one before it. Longer drafts are cut; say so."""
+    d, most = options.drafting, options.n_batch - 1
+    asked = [("-k", parse_k(d.k) or 0), ("--draft-max", d.draft_max if d.k == "auto" else 0)]
+    return [
+        f"{flag} {n} is more than one batch can verify; drafts stop at {most} tokens "
+        "(raise -b to allow more)"
+        for flag, n in asked
+        if n > most
+    ]
 
 
 def check_models(target: Path, draft: Path | None) -> list[str]:
