@@ -135,6 +135,48 @@ def measure_costs(
     return Costs(statistics.median(one), c, verify, switch)
 
 
+FLASH_ATTN_BATCHES = (1, 4)  # a drafting step, and a typical verification batch
+
+
+def time_decodes(contexts: Mapping[str, Context], position: int, reps: int = 5) -> dict[str, float]:
+    """Seconds each context takes, at `position` tokens into its cache, to decode one
+    batch of each size in FLASH_ATTN_BATCHES (summed). Each size is decoded twice and
+    the second, steady pass is timed; the contexts take turns, in alternating order,
+    so that the machine's drift hits them alike; medians, after one untimed round."""
+    names = list(contexts)
+    for ctx in contexts.values():
+        ctx.trim(0)
+        ctx.decode([_filler(ctx)] * position, 0)
+
+    def steady(ctx: Context, n: int) -> float:
+        for _ in range(2):  # the first pass pays for the change of batch shape
+            before = ctx.decode_seconds
+            ctx.decode([_filler(ctx)] * n, position, all_logits=True)
+            ctx.trim(position)
+        return ctx.decode_seconds - before
+
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps + 1):
+        for name in names if rep % 2 else names[::-1]:
+            seconds = sum(steady(contexts[name], n) for n in FLASH_ATTN_BATCHES)
+            if rep:
+                samples[name].append(seconds)
+    for ctx in contexts.values():
+        ctx.trim(0)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _filler(ctx: Context) -> int:
+    """A token to fill a context with: BOS, or id 0 for a model without one."""
+    return max(ctx.model.bos, 0)
+
+
+def faster_flash_attn(seconds: Mapping[str, float]) -> str:
+    """Whichever of "on" and "off" decoded faster; a tie goes to "on", llama.cpp's own
+    choice on a CPU."""
+    return "on" if seconds["on"] <= seconds["off"] else "off"
+
+
 def median_costs(measured: Sequence[Costs]) -> Costs:
     """Field by field medians of several measurements."""
 
