@@ -18,7 +18,7 @@ from specdec_cli import costmodel
 from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
 from specdec_cli.engine import Engine, parse_k
-from specdec_cli.stats import Stats
+from specdec_cli.stats import FlashAttnChoice, Stats
 
 BUILTIN_PROMPTS = {
     "story": "Once upon a time, in a small village by the sea, there lived a girl who",
@@ -78,6 +78,7 @@ class BenchReport:
     costs: Costs
     n_predict: int
     repeat: int
+    flash_attn: FlashAttnChoice
 
     @property
     def baseline(self) -> VariantResult:
@@ -146,6 +147,7 @@ class BenchReport:
                 "n_predict": self.n_predict,
                 "repeat": self.repeat,
                 "prompts": self.prompts,
+                "flash_attn": self.flash_attn.to_dict(),
             },
             "baseline": self.variant_dict(base),
             "runs": [self.variant_dict(r) for r in self.results[1:]],
@@ -236,7 +238,7 @@ def run_bench(
                 advance(variant_list[i].name)
         measured.append(measure(reps=5))
     costs = costmodel.median_costs(measured)
-    return BenchReport(prompts, results, costs, n_predict, repeat)
+    return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn)
 
 
 def _max_k(engine: Engine, variant: Variant) -> int:

@@ -16,7 +16,7 @@ import typer
 
 from specdec_cli import __version__
 from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
-from specdec_cli.config import PairSpec, load_config
+from specdec_cli.config import ModelSpec, PairSpec, load_config
 from specdec_cli.display import (
     bench_progress,
     load_pyplot,
@@ -26,7 +26,7 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_k
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_gpu_layers, parse_k
 from specdec_cli.errors import UserError
 from specdec_cli.models import locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
@@ -45,7 +45,18 @@ def _print_version(value: bool) -> None:
     if value:
         from llama_cpp import __version__ as binding
 
-        print(f"specdec {__version__} (llama-cpp-python {binding})")
+        from specdec_cli.backend import backend_names
+
+        backends = ", ".join(backend_names())
+        print(f"specdec {__version__} (llama-cpp-python {binding}; llama.cpp backends: {backends})")
+        raise typer.Exit()
+
+
+def _list_devices(value: bool) -> None:
+    if value:
+        from specdec_cli.backend import device_list_text, gpu_devices
+
+        print(device_list_text(gpu_devices()))
         raise typer.Exit()
 
 
@@ -53,7 +64,21 @@ def _print_version(value: bool) -> None:
 def _main_options(
     version: Annotated[
         bool,
-        typer.Option("--version", callback=_print_version, is_eager=True, help="Show versions."),
+        typer.Option(
+            "--version",
+            callback=_print_version,
+            is_eager=True,
+            help="Show versions and the backends llama.cpp was built with.",
+        ),
+    ] = False,
+    list_devices: Annotated[
+        bool,
+        typer.Option(
+            "--list-devices",
+            callback=_list_devices,
+            is_eager=True,
+            help="List the devices -dev/-devd can name (GPUs), as llama.cpp does.",
+        ),
     ] = False,
 ) -> None:
     """Lossless speculative decoding for llama.cpp GGUF models."""
@@ -97,17 +122,45 @@ ThreadsDraftOpt = Annotated[
     ),
 ]
 NglOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
-        "-ngl", "--n-gpu-layers", help="Target layers to offload to the GPU (0: CPU only, -1: all)."
+        "-ngl",
+        "--n-gpu-layers",
+        help="Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'. "
+        "(default: all the build can offload)",
     ),
 ]
 NgldOpt = Annotated[
-    int | None,
+    str | None,
     typer.Option(
         "-ngld",
         "--n-gpu-layers-draft",
-        help="Draft layers to offload to the GPU (0: CPU only, -1: all).",
+        help="Draft layers to offload to the GPU, as -ngl. (default: all)",
+    ),
+]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-dev",
+        "--device",
+        help="Device(s) for the target, comma-separated ('none': no offload; "
+        "see --list-devices). (default: every GPU)",
+    ),
+]
+DeviceDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-devd", "--device-draft", help="Device(s) for the draft model, as -dev. (default: as -dev)"
+    ),
+]
+RepackOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--repack/--no-repack",
+        " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
+        help="Repack weights for the CPU's fastest kernels. (default: on, unless a test run "
+        "shows that they crash on this CPU)",
+        show_default=False,
     ),
 ]
 
@@ -118,7 +171,15 @@ class FlashAttn(str, Enum):
     off = "off"
 
 
-FlashOpt = Annotated[FlashAttn, typer.Option("-fa", "--flash-attn", help="Flash attention.")]
+FlashOpt = Annotated[
+    FlashAttn | None,
+    typer.Option(
+        "-fa",
+        "--flash-attn",
+        help="Flash attention; auto: whichever measures faster on this machine "
+        "(once per model and settings). (default: auto)",
+    ),
+]
 TempOpt = Annotated[
     float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. (default: 0.8)")
 ]
@@ -192,9 +253,12 @@ def engine_options(
     ctx_size: int | None,
     threads: int | None,
     threads_draft: int | None,
-    n_gpu_layers: int | None,
-    n_gpu_layers_draft: int | None,
-    flash_attn: str,
+    n_gpu_layers: str | None,
+    n_gpu_layers_draft: str | None,
+    device: str | None,
+    device_draft: str | None,
+    repack: bool | None,
+    flash_attn: str | None,
     temp: float | None,
     top_k: int | None,
     top_p: float | None,
@@ -238,14 +302,24 @@ def engine_options(
         n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
         threads=_pick(threads, target_spec.threads, 0),
         threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
-        n_gpu_layers=_pick(n_gpu_layers, target_spec.n_gpu_layers, 0),
-        n_gpu_layers_draft=_pick(n_gpu_layers_draft, getattr(draft_spec, "n_gpu_layers", None), 0),
-        flash_attn=FlashAttn(flash_attn).value,
+        n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
+        n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
+        device=device,
+        device_draft=device_draft,
+        repack=repack,
+        flash_attn=FlashAttn(_pick(flash_attn, EngineOptions.flash_attn)).value,
         verbose=verbose,
         sampling=sampling,
         drafting=DraftOptions(k, draft_min, draft_max, draft_p_min, ngram_min, ngram_max),
     )
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
+
+
+def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None) -> int | None:
+    """-ngl/-ngld as given, else the config's, else None (llama.cpp's default)."""
+    if value is not None:
+        return parse_gpu_layers(value, flag)
+    return getattr(spec, "n_gpu_layers", None)
 
 
 def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
@@ -258,8 +332,8 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
 
 SHARED_OPTIONS = (
     "ctx_size", "threads", "threads_draft", "n_gpu_layers", "n_gpu_layers_draft",
-    "flash_attn", "temp", "top_k", "top_p", "min_p", "draft_max", "draft_min",
-    "draft_p_min", "ngram_min", "ngram_max", "verbose",
+    "device", "device_draft", "repack", "flash_attn", "temp", "top_k", "top_p", "min_p",
+    "draft_max", "draft_min", "draft_p_min", "ngram_min", "ngram_max", "verbose",
 )  # fmt: skip
 
 
@@ -331,7 +405,10 @@ def run(
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,
     n_gpu_layers_draft: NgldOpt = None,
-    flash_attn: FlashOpt = FlashAttn.off,
+    device: DeviceOpt = None,
+    device_draft: DeviceDraftOpt = None,
+    repack: RepackOpt = None,
+    flash_attn: FlashOpt = None,
     draft_max: DraftMaxOpt = 16,
     draft_min: DraftMinOpt = 0,
     draft_p_min: DraftPMinOpt = 0.0,
@@ -519,7 +596,10 @@ def bench(
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,
     n_gpu_layers_draft: NgldOpt = None,
-    flash_attn: FlashOpt = FlashAttn.off,
+    device: DeviceOpt = None,
+    device_draft: DeviceDraftOpt = None,
+    repack: RepackOpt = None,
+    flash_attn: FlashOpt = None,
     draft_max: DraftMaxOpt = 16,
     draft_min: DraftMinOpt = 0,
     draft_p_min: DraftPMinOpt = 0.0,
@@ -591,15 +671,17 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 @app.command()
 def info(
     model: Annotated[
-        str,
+        str | None,
         typer.Argument(
             help="A .gguf file, a name from the config, or a Hugging Face ref (OWNER/REPO:Q4_K_M)."
         ),
-    ],
+    ] = None,
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
     """Show what a GGUF model is: architecture, size, vocabulary, quantisation.
+    Without a model: the llama.cpp build (its backends, GPU offload, devices) and this
+    machine (cores, where the cache and the config live).
 
     Reads only the file's header, so it is instant even for large models.
 
@@ -607,6 +689,9 @@ def info(
     """
     from specdec_cli import modelinfo
 
+    if model is None:
+        modelinfo.print_build(modelinfo.describe_build(), as_json=as_json)
+        return
     facts = modelinfo.describe(modelinfo.load_model(model, config))
     modelinfo.print_info(facts, as_json=as_json)
 

@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
-import typer
-
 from specdec_cli.errors import UserError
 from specdec_cli.hub import is_hub_ref
+from specdec_cli.machine import user_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -77,8 +76,8 @@ class Config:
 
 
 def default_config_path() -> Path:
-    """The platform's per-user config location (honours XDG_CONFIG_HOME on Linux)."""
-    return Path(typer.get_app_dir("specdec")) / "models.toml"
+    """The platform's per-user config location, chosen as the cache's is (machine.user_dir)."""
+    return user_dir("config") / "models.toml"
 
 
 def load_config(path: str | None) -> Config:

@@ -4,10 +4,15 @@ Measuring the target's cost per batch size takes a few hundred target token-time
 (about 340 for the benchmark pair: 1.5 s; at 150 ms a token, close to a minute). The
 costs depend on the model files, the hardware and the settings that change how
 llama.cpp runs them, so that is the key; anything else (another prompt, another -n)
-reuses the measurement. A cache that cannot be read or written is no error: the
-costs are measured again.
+reuses the measurement. The llama.cpp build is part of the key too: costs measured
+on a CPU build never serve a CUDA rebuild. A cache that cannot be read or written is
+no error: the costs are measured again.
 
-Where: $SPECDEC_CACHE_DIR, else $XDG_CACHE_HOME/specdec, else ~/.cache/specdec.
+Other one-time findings live beside the costs, under the same kind of key: the
+flash attention setting measured faster, and whether this CPU survives llama.cpp's
+repacked (AMX) kernels.
+
+Where: $SPECDEC_CACHE_DIR, else the OS's per-user cache directory (machine.user_dir).
 """
 
 from __future__ import annotations
@@ -18,9 +23,11 @@ import json
 import os
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 
+from specdec_cli import backend, machine
 from specdec_cli.costmodel import Costs
 
 FORMAT = 1  # bump when the meaning of a measurement changes
@@ -29,8 +36,7 @@ FORMAT = 1  # bump when the meaning of a measurement changes
 def cache_dir() -> Path:
     if os.environ.get("SPECDEC_CACHE_DIR"):
         return Path(os.environ["SPECDEC_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "specdec"
+    return machine.user_dir("cache")
 
 
 def _file_identity(path: Path) -> list[object]:
@@ -43,6 +49,7 @@ def cache_key(models: Iterable[Path], settings: dict[str, object]) -> str:
     identity = {
         "format": FORMAT,
         "llama_cpp_python": LLAMA_CPP_PYTHON,
+        "llama_cpp_build": backend.build_identity(),
         "models": [_file_identity(p) for p in models],
         "settings": settings,
     }
@@ -50,25 +57,40 @@ def cache_key(models: Iterable[Path], settings: dict[str, object]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def _path(key: str) -> Path:
-    return cache_dir() / "costs" / f"{key}.json"
+def _path(kind: str, key: str) -> Path:
+    return cache_dir() / kind / f"{key}.json"
+
+
+def load_entry(kind: str, key: str) -> dict[str, Any] | None:
+    """A JSON object saved under `kind` ("costs", "flash_attn", ...), or None."""
+    try:
+        data = json.loads(_path(kind, key).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def save_entry(kind: str, key: str, data: dict[str, Any]) -> None:
+    path = _path(kind, key)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temporary = path.with_suffix(f".{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(data, indent=1))
+        temporary.replace(path)  # atomic: a concurrent reader sees all or nothing
+    except OSError:
+        pass
 
 
 def load(key: str) -> Costs | None:
+    data = load_entry("costs", key)
+    if data is None:
+        return None
     try:
-        data = json.loads(_path(key).read_text())
         verify = {int(n): float(v) for n, v in data.pop("verify").items()}
         return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError):  # an entry of an old format
         return None
 
 
 def save(key: str, costs: Costs) -> None:
-    path = _path(key)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_suffix(f".{os.getpid()}.tmp")
-        temporary.write_text(json.dumps(dataclasses.asdict(costs), indent=1))
-        temporary.replace(path)  # atomic: a concurrent reader sees all or nothing
-    except OSError:
-        pass
+    save_entry("costs", key, dataclasses.asdict(costs))

@@ -94,22 +94,18 @@ def measure_costs(
     batch shape, the second is the steady cost. The order rotates between
     repetitions; medians, after one untimed round.
     """
-    context = [target.model.bos] * position
     sizes = sorted({1, *sizes})
     probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
     probes = probes or [(target, 1)]  # one-token passes alone: a ratio of 1
     for ctx, _ in [(target, 1), *probes]:
-        ctx.trim(0)
-        ctx.decode(context, 0)
+        _fill(ctx, position)
 
     def twice(ctx: Context, n: int) -> tuple[float, float]:
         """Seconds of the first (shape changed) and the second (steady) pass."""
         times = []
         for _ in range(2):
             before = ctx.decode_seconds
-            ctx.checkpoint(n)
-            ctx.decode(context[:1] * n, len(context), n_logits=n)
-            ctx.trim(len(context))
+            _decode_and_drop(ctx, n, position)
             times.append(ctx.decode_seconds - before)
         return times[0], times[1]
 
@@ -134,6 +130,58 @@ def measure_costs(
     verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
     switch = max(0.0, statistics.median(rebuild)) if rebuild else 0.0
     return Costs(statistics.median(one), c, verify, switch)
+
+
+FLASH_ATTN_BATCHES = (1, 4)  # a drafting step, and a typical verification batch
+
+
+def time_decodes(contexts: Mapping[str, Context], position: int, reps: int = 5) -> dict[str, float]:
+    """Seconds each context takes, at `position` tokens into its cache, to decode one
+    batch of each size in FLASH_ATTN_BATCHES (summed). Each size is decoded twice and
+    the second, steady pass is timed; the contexts take turns, in alternating order,
+    so that the machine's drift hits them alike; medians, after one untimed round."""
+    names = list(contexts)
+    for ctx in contexts.values():
+        _fill(ctx, position)
+
+    def steady(ctx: Context, n: int) -> float:
+        for _ in range(2):  # the first pass pays for the change of batch shape
+            before = ctx.decode_seconds
+            _decode_and_drop(ctx, n, position)
+        return ctx.decode_seconds - before
+
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(reps + 1):
+        for name in names if rep % 2 else names[::-1]:
+            seconds = sum(steady(contexts[name], n) for n in FLASH_ATTN_BATCHES)
+            if rep:
+                samples[name].append(seconds)
+    for ctx in contexts.values():
+        ctx.trim(0)
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def _filler(ctx: Context) -> int:
+    """A token to fill a context with: BOS, or id 0 for a model without one."""
+    return max(ctx.model.bos, 0)
+
+
+def faster_flash_attn(seconds: Mapping[str, float]) -> str:
+    """Whichever of "on" and "off" decoded faster; a tie goes to "on", llama.cpp's own
+    choice on a CPU."""
+    return "on" if seconds["on"] <= seconds["off"] else "off"
+
+
+def _fill(ctx: Context, position: int) -> None:
+    ctx.trim(0)
+    ctx.decode([_filler(ctx)] * position, 0)
+
+
+def _decode_and_drop(ctx: Context, n: int, position: int) -> None:
+    """A batch of n tokens with logits for all, as a verification has; then forgotten."""
+    ctx.checkpoint(n)
+    ctx.decode([_filler(ctx)] * n, position, n_logits=n)
+    ctx.trim(position)
 
 
 def median_costs(measured: Sequence[Costs]) -> Costs:

@@ -126,7 +126,10 @@ class LiveDisplay:
             sys.stdout.write("\n")
             sys.stdout.flush()
         if self.summary:
-            self.console.print(stats_line(self.stats).append(f"  stop: {self.stats.stop_reason}"))
+            line = stats_line(self.stats).append(f"  stop: {self.stats.stop_reason}")
+            if self.stats.flash_attn:
+                line.append(f"  -fa {self.stats.flash_attn}")
+            self.console.print(line)
 
 
 def make_display(stats: Stats, as_json: bool, quiet: bool) -> Display:
@@ -180,10 +183,11 @@ def print_bench(report: BenchReport) -> None:
     the figures `--json` writes, computed once."""
     figures = report.to_dict()
     rows = bench_rows(figures)
+    settings = f"settings: -fa {report.flash_attn}"
     c = report.costs
     costs = (
-        f"costs: target {c.target_seconds * 1e3:.2f} ms/token, draft {c.draft_over_target:.3f} "
-        f"of that, verify n tokens: "
+        f"costs: target {c.target_seconds * 1e3:.2f} ms/token, "
+        f"draft {c.draft_over_target:.3f} of that, verify n tokens: "
         + " ".join(f"{n}:{v:.2f}" for n, v in sorted(c.verify.items()))
     )
     base = figures["baseline"]
@@ -197,6 +201,7 @@ def print_bench(report: BenchReport) -> None:
         print("\t".join(BENCH_COLUMNS))
         for row in rows:
             print("\t".join(row))
+        print(f"# {settings}")
         print(f"# {costs}")
         print(f"# {wrapper}")
         print(f"# {figures['verdict']}")
@@ -211,6 +216,7 @@ def print_bench(report: BenchReport) -> None:
         table.add_row(*row, style="bold green" if row[0].endswith(" *") else None)
     console = Console()
     console.print(table)
+    console.print(settings, style="dim")
     console.print(costs, style="dim")
     console.print(wrapper, style="dim")
     console.print(

@@ -12,19 +12,30 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec_cli import compat, costcache, gguf_meta
-from specdec_cli.costmodel import Costs, measure_costs
+from specdec_cli import backend, compat, costcache, gguf_meta
+from specdec_cli.costmodel import (
+    FLASH_ATTN_BATCHES,
+    Costs,
+    faster_flash_attn,
+    measure_costs,
+    time_decodes,
+)
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Context, ContextParams, Model, init_backend, physical_cores
+from specdec_cli.llama import Context, ContextParams, Model, ModelParams, init_backend
+from specdec_cli.machine import physical_cores
+from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import SamplingParams
-from specdec_cli.stats import Stats
+from specdec_cli.stats import FlashAttnChoice, Stats
 from specdec_cli.textstream import TextStream
 
 DEFAULT_MAX_CTX = 4096
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
+# Where -fa auto compares flash attention on and off: a few hundred tokens in, where
+# attention's share of a decode starts to show (at most half the context).
+FLASH_ATTN_POSITION = 256
 
 
 @dataclass(frozen=True)
@@ -47,11 +58,14 @@ class EngineOptions:
     n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_MAX_CTX
     threads: int = 0  # 0: the machine's physical cores
     threads_draft: int = 0  # 0: same as threads
-    n_gpu_layers: int = 0
-    n_gpu_layers_draft: int = 0
+    n_gpu_layers: int | None = None  # None: llama.cpp's default, every layer the build can
+    n_gpu_layers_draft: int | None = None
+    device: str | None = None  # -dev: "CUDA0", "CUDA0,CUDA1" or "none"; None: every GPU
+    device_draft: str | None = None  # -devd; None: as -dev
+    repack: bool | None = None  # --repack/--no-repack; None: on, unless the CPU crashes
     n_batch: int = 2048  # llama.cpp's -b: tokens one decode call takes
     n_ubatch: int = 512  # llama.cpp's -ub: tokens one compute graph takes
-    flash_attn: str = "off"  # measured faster on CPU here: see README
+    flash_attn: str = "auto"  # "auto": whichever measures faster here (once, cached)
     verbose: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     drafting: DraftOptions = field(default_factory=DraftOptions)
@@ -62,6 +76,52 @@ def drafter_kind(model: bool, ngram: bool) -> str | None:
     if model:
         return "model+ngram" if ngram else "model"
     return "ngram" if ngram else None
+
+
+def parse_gpu_layers(value: str, flag: str = "-ngl") -> int:
+    """A number of layers to offload, or "auto" / "all" (every layer), as llama.cpp takes."""
+    if value in ("auto", "all"):
+        return ModelParams.n_gpu_layers
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(
+            f"{flag} must be a number of layers, 'auto' or 'all' (got {value!r})"
+        ) from None
+
+
+def model_params(
+    n_gpu_layers: int | None, device: str | None, flag: str, repack: bool
+) -> ModelParams:
+    """What llama.cpp is told to load a model with; None leaves llama.cpp's default."""
+    devices = None
+    if device is not None:
+        devices = tuple(backend.pick_devices(device, backend.gpu_devices(), flag))
+    layers = ModelParams.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+    return ModelParams(layers, devices, repack)
+
+
+def _draft_device(options: EngineOptions) -> tuple[str | None, str]:
+    """The draft's -devd, or else -dev as llama.cpp does; and the flag it came from."""
+    if options.device_draft is not None:
+        return options.device_draft, "-devd"
+    return options.device, "-dev"
+
+
+def offload_warning(options: EngineOptions, can_offload: bool) -> str | None:
+    """One line when -ngl/-ngld asked for GPU layers that this build cannot offload."""
+    given = [
+        flag
+        for flag, layers in (("-ngl", options.n_gpu_layers), ("-ngld", options.n_gpu_layers_draft))
+        if layers not in (None, 0)
+    ]
+    if can_offload or not given:
+        return None
+    return (
+        f"this llama.cpp build has no GPU backend ({', '.join(backend.backend_names())} only): "
+        f"{' and '.join(given)} ignored, the models run on the CPU "
+        "(to offload, reinstall llama-cpp-python with GPU support: see the README, GPU builds)"
+    )
 
 
 def parse_k(k: str) -> int | None:
@@ -85,38 +145,38 @@ class Engine:
         draft_path = options.draft
         self.warnings = check_models(options.target, draft_path) + batch_warnings(options)
         init_backend(options.verbose)
+        self.repack, repack_note = choose_repack(options.repack)
+        offload_note = offload_warning(options, backend.supports_gpu_offload())
+        self.warnings += [note for note in (repack_note, offload_note) if note]
+        # Both checked (device names) before the first, maybe long, load.
+        repack = self.repack
+        target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
+        draft_params = model_params(options.n_gpu_layers_draft, *_draft_device(options), repack)
         self._owned: list[Model | Context] = []
-        self.model = self._own(Model(options.target, options.n_gpu_layers))
+        self.model = self._own(Model(options.target, target_params))
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX)
         threads = options.threads or physical_cores()
-        self.target = self._own(
-            Context(
-                self.model,
-                ContextParams(
-                    n_ctx,
-                    threads,
-                    options.flash_attn,
-                    options.n_batch,
-                    options.n_ubatch,
-                    n_rs_seq=self._longest_draft(),
-                ),
-            )
-        )
+        # Before the contexts: their flash attention setting is fixed when they are made.
+        self.flash_attn = self._choose_flash_attn(n_ctx, threads)
+        target_params = self._context_params(n_ctx, threads, n_rs_seq=self._longest_draft())
+        self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
         self._costs: Costs | None = None
         if draft_path:
-            draft_model = self._own(Model(draft_path, options.n_gpu_layers_draft))
+            draft_model = self._own(Model(draft_path, draft_params))
             # The draft must be able to hold the same sequence as the target.
-            draft_params = ContextParams(
-                self.target.n_ctx,
-                options.threads_draft or threads,
-                options.flash_attn,
-                options.n_batch,
-                options.n_ubatch,
+            context_params = self._context_params(
+                self.target.n_ctx, options.threads_draft or threads
             )
-            self.draft_ctx = self._own(Context(draft_model, draft_params))
+            self.draft_ctx = self._own(Context(draft_model, context_params))
         self.decoder = self.make_decoder(
             drafter_kind(draft_path is not None, options.ngram), options.drafting.k
+        )
+
+    def _context_params(self, n_ctx: int, threads: int, n_rs_seq: int = 0) -> ContextParams:
+        o = self.options
+        return ContextParams(
+            n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq=n_rs_seq
         )
 
     def _longest_draft(self) -> int:
@@ -175,26 +235,73 @@ class Engine:
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
             self._costs = costcache.load(key)
             if self._costs is None:
-                if self.notify:
-                    self.notify(
-                        "measuring the models' costs for -k auto (once for these models "
-                        f"and settings; kept in {costcache.cache_dir()})"
-                    )
+                self._announce("the models' costs for -k auto", "these models")
                 costcache.save(key, self.measure_costs(sizes, reps=5))
         return self._costs
+
+    def _announce(self, what: str, scope: str) -> None:
+        """Tell the user why this run pauses: one-time work, kept in the cache."""
+        if self.notify:
+            self.notify(
+                f"measuring {what} (once for {scope} and settings; kept in {costcache.cache_dir()})"
+            )
+
+    def _choose_flash_attn(self, n_ctx: int, threads: int) -> FlashAttnChoice:
+        """-fa as given, or for "auto" whichever of on and off decodes the target faster
+        on this machine: measured once per target and settings, kept in the cache."""
+        asked = self.options.flash_attn
+        if asked != "auto":
+            return FlashAttnChoice(asked, asked)
+        o = self.options
+        settings = {
+            "measure": "flash_attn",
+            "threads": threads,
+            "gpu_layers": o.n_gpu_layers,
+            "device": o.device,
+            "repack": self.repack,
+        }
+        key = costcache.cache_key([o.target], settings)
+        used = (costcache.load_entry("flash_attn", key) or {}).get("used")
+        if used not in ("on", "off"):
+            self._announce("flash attention on and off for -fa auto", "this model")
+            used = faster_flash_attn(self.time_flash_attn(n_ctx, threads))
+            costcache.save_entry("flash_attn", key, {"used": used})
+        return FlashAttnChoice(asked, used)
+
+    def time_flash_attn(self, n_ctx: int, threads: int) -> dict[str, float]:
+        """Seconds of the target's decodes with flash attention "on" and "off", in two
+        short-lived contexts (see costmodel.time_decodes)."""
+        position = min(FLASH_ATTN_POSITION, n_ctx // 2)
+        size = position + max(FLASH_ATTN_BATCHES) + 1
+        contexts: dict[str, Context] = {}
+        try:
+            for setting in ("on", "off"):
+                contexts[setting] = Context(self.model, ContextParams(size, threads, setting))
+            return time_decodes(contexts, position)
+        finally:
+            for context in contexts.values():
+                context.close()
 
     def _model_paths(self) -> list[Path]:
         o = self.options
         return [o.target, o.draft] if o.draft else [o.target]
 
-    def _cost_settings(self, sizes: set[int]) -> dict[str, object]:
-        """What, besides the model files, changes what a decode call costs."""
+    def _load_settings(self) -> dict[str, object]:
+        """How the models were loaded, as far as it changes what a decode costs."""
         o = self.options
         return {
-            "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
             "gpu_layers": [o.n_gpu_layers, o.n_gpu_layers_draft],
-            "flash_attn": o.flash_attn,
+            "devices": [o.device, o.device_draft],
+            "repack": self.repack,
+        }
+
+    def _cost_settings(self, sizes: set[int]) -> dict[str, object]:
+        """What, besides the model files, changes what a decode call costs."""
+        return {
+            "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
+            "flash_attn": self.flash_attn.used,
             "sizes": sorted(sizes),
+            **self._load_settings(),
         }
 
     def measure_costs(self, sizes: Iterable[int], reps: int = 9, position: int = 64) -> Costs:
@@ -232,6 +339,7 @@ class Engine:
     ) -> Iterator[str]:
         """Yield the generated text in pieces as the tokens are accepted."""
         stream = TextStream(stop)
+        stats.flash_attn = self.flash_attn
         rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
         try:
             for new in rounds:

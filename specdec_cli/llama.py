@@ -1,4 +1,5 @@
-"""The llama.cpp wrapper: the only module that touches ctypes.
+"""The llama.cpp wrapper: the only module that touches ctypes (backend.py, which asks
+ggml which backends and devices the build has, aside).
 
 It exposes just what speculative decoding needs: load a model, make a context,
 decode a batch of tokens at given positions with logits where asked, read those
@@ -8,7 +9,6 @@ logits as zero-copy numpy views, and cut the KV cache back to a position.
 from __future__ import annotations
 
 import ctypes
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,34 +50,35 @@ def init_backend(verbose: bool = False) -> None:
         _backend_ready = True
 
 
-def physical_cores() -> int:
-    """Physical cores available to this process: llama.cpp's raw default (4) oversubscribes
-    small machines, and hyper-threads slow matrix work down rather than up."""
-    if hasattr(os, "sched_getaffinity"):
-        available = len(os.sched_getaffinity(0))
-    else:
-        available = os.cpu_count() or 1
-    try:
-        blocks = Path("/proc/cpuinfo").read_text().split("\n\n")
-    except OSError:
-        return available
-    cores = set()
-    for block in blocks:
-        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
-        if "core id" in {k.strip() for k in fields}:
-            ids = {k.strip(): v.strip() for k, v in fields.items()}
-            cores.add((ids.get("physical id"), ids["core id"]))
-    return max(1, min(available, len(cores) or available))
+@dataclass(frozen=True)
+class ModelParams:
+    """How llama.cpp loads a model; the defaults are llama.cpp's own."""
+
+    n_gpu_layers: int = -1  # -ngl: layers to offload; -1 is all (a CPU-only build offloads none)
+    devices: tuple[int, ...] | None = None  # -dev: ggml_backend_dev_t handles; None: every GPU
+    use_extra_bufts: bool = True  # --repack: weights repacked for the CPU's fastest kernels
+
+    def to_llama(self) -> tuple[llama_cpp.llama_model_params, ctypes.Array | None]:
+        """llama_model_params, and the device array they point to (keep it alive until
+        the model is loaded). llama.cpp reads `devices` as a NULL-terminated array; an
+        array holding only NULL offloads nothing."""
+        params = llama_cpp.llama_model_default_params()
+        params.n_gpu_layers = self.n_gpu_layers
+        params.use_extra_bufts = self.use_extra_bufts
+        devices = None
+        if self.devices is not None:
+            devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
+            params.devices = ctypes.cast(devices, ctypes.c_void_p)
+        return params, devices
 
 
 class Model:
     """A loaded GGUF model and its vocabulary."""
 
-    def __init__(self, path: Path, n_gpu_layers: int = 0) -> None:
-        params = llama_cpp.llama_model_default_params()
-        params.n_gpu_layers = n_gpu_layers
+    def __init__(self, path: Path, params: ModelParams = ModelParams()) -> None:
+        llama_params, _devices = params.to_llama()  # _devices: alive during the load
         self.path = path
-        self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), params)
+        self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_params)
         if not self.ptr:
             raise UserError(
                 f"llama.cpp could not load {path}; check that it is a complete model file "

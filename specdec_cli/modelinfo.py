@@ -1,9 +1,11 @@
-"""The `specdec info` and `specdec check` commands: describe a model, vet a draft/target pair."""
+"""The `specdec info` and `specdec check` commands: describe a model (or, with none, the
+llama.cpp build and the machine), vet a draft/target pair."""
 
 from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 
 from rich.console import Console
 from rich.table import Table
@@ -94,12 +96,62 @@ def _info_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
     return rows
 
 
+def describe_build() -> dict[str, object]:
+    """What `specdec info` shows without a model: the llama.cpp build and this machine."""
+    from llama_cpp import __version__ as binding
+
+    from specdec_cli import backend, costcache, machine
+    from specdec_cli.config import default_config_path
+
+    system_info = backend.system_info()
+    return {
+        "llama_cpp_python": binding,
+        "backends": list(backend.backend_names()),
+        "gpu_offload": backend.supports_gpu_offload(),
+        "devices": [{"name": d.name, "description": d.description} for d in backend.gpu_devices()],
+        "system_info": system_info,
+        "physical_cores": machine.physical_cores(),
+        "cpu_amx": machine.advertises_amx(machine.cpu_flags(), system_info),
+        "cache_dir": str(costcache.cache_dir()),
+        "config_file": str(default_config_path()),
+    }
+
+
+def _build_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
+    devices = ", ".join(f"{d['name']} ({d['description']})" for d in facts["devices"])
+    return [
+        ("llama-cpp-python", str(facts["llama_cpp_python"])),
+        ("llama.cpp backends", ", ".join(facts["backends"])),
+        ("GPU offload", "yes" if facts["gpu_offload"] else "no (a CPU-only build)"),
+        ("devices (-dev)", devices or "none"),
+        ("llama.cpp system info", str(facts["system_info"])),
+        ("physical cores", str(facts["physical_cores"])),
+        ("CPU advertises AMX", "yes" if facts["cpu_amx"] else "no"),
+        ("cache", str(facts["cache_dir"])),
+        ("config file", str(facts["config_file"])),
+    ]
+
+
 def print_info(facts: dict[str, object], *, as_json: bool) -> None:
+    """A model's facts (describe)."""
+    _print_facts(facts, _info_rows, as_json)
+
+
+def print_build(facts: dict[str, object], *, as_json: bool) -> None:
+    """The build's facts (describe_build)."""
+    _print_facts(facts, _build_rows, as_json)
+
+
+def _print_facts(
+    facts: dict[str, object],
+    to_rows: Callable[[dict[str, object]], list[tuple[str, str]]],
+    as_json: bool,
+) -> None:
     """JSON, a table on a terminal, or `label: value` lines for pipes and scripts."""
     if as_json:
         print(json.dumps(facts))
         return
-    rows = _info_rows(facts)
+    rows = to_rows(facts)
     if not sys.stdout.isatty():
         for label, value in rows:
             print(f"{label}: {value}")

@@ -6,6 +6,22 @@ from collections import Counter
 from dataclasses import dataclass, field, fields
 
 
+@dataclass(frozen=True)
+class FlashAttnChoice:
+    """-fa as asked and as used: "auto" becomes what measured faster (see Engine)."""
+
+    asked: str
+    used: str
+
+    def __str__(self) -> str:
+        if self.asked == "auto":
+            return f"auto -> {self.used} (measured)"
+        return self.used
+
+    def to_dict(self) -> dict[str, str]:
+        return {"asked": self.asked, "used": self.used}
+
+
 @dataclass
 class Stats:
     """Counters filled in by the decode loop.
@@ -32,6 +48,7 @@ class Stats:
     llama_seconds: float = 0.0  # llama.cpp's own clock of the same decode calls
     stop_reason: str = ""
     last_k: int = 0
+    flash_attn: FlashAttnChoice | None = None
 
     def record_round(self, source: str, n_drafted: int, n_accepted: int, n_new: int) -> None:
         self.target_passes += 1
@@ -101,6 +118,7 @@ class Stats:
                 for name, n in sorted(self.proposed_by.items())
             },
             "stop_reason": self.stop_reason,
+            "flash_attn": self.flash_attn.to_dict() if self.flash_attn else None,
         }
 
     def summary(self) -> str:
@@ -111,4 +129,5 @@ class Stats:
                 f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.1%})"
                 f", {self.tokens_per_pass:.2f} tokens/pass, k={self.k} (mean {self.mean_k:.2f})"
             )
-        return line + f", stop: {self.stop_reason or 'running'}"
+        line += f", stop: {self.stop_reason or 'running'}"
+        return line + (f", -fa {self.flash_attn}" if self.flash_attn else "")

@@ -46,6 +46,13 @@ def private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pat
         yield path
 
 
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache directory of the test's own: nothing measured or probed before."""
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
 def target_tensors(vocab: Vocab) -> dict[str, np.ndarray]:
     weak_layers = TARGET_HPARAMS.n_layer - DRAFT_LAYERS
     return llama_tensors(TARGET_HPARAMS, vocab, SEED, weak_layers, WEAK_SCALE)

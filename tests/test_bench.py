@@ -12,7 +12,7 @@ from test_cli_run import assert_user_error, specdec
 
 from specdec_cli.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
 from specdec_cli.costmodel import Costs
-from specdec_cli.stats import Stats
+from specdec_cli.stats import FlashAttnChoice, Stats
 
 # --- BenchReport on hand-made Stats (no model) ---
 
@@ -50,7 +50,8 @@ def stats(
 def report(*results: VariantResult, c: float = 0.05, prompts: int = 1) -> BenchReport:
     names = {f"p{i}": f"prompt {i}" for i in range(prompts)}
     repeat = len(results[0].runs) // prompts
-    return BenchReport(names, list(results), Costs(0.001, c, VERIFY), 100, repeat)
+    costs = Costs(0.001, c, VERIFY)
+    return BenchReport(names, list(results), costs, 100, repeat, FlashAttnChoice("auto", "on"))
 
 
 def baseline(speed: float = 100.0) -> VariantResult:
@@ -219,6 +220,10 @@ def test_bench_draft_model(model_bench: dict[str, Any]) -> None:
     assert model_bench["cost"]["draft_over_target"] > 0
     assert model_bench["settings"]["prompts"] == BUILTIN_PROMPTS
     assert model_bench["settings"]["n_predict"] == 16 and model_bench["settings"]["repeat"] == 2
+    # -fa auto (the default) was resolved by measurement, and the table says to what.
+    choice = model_bench["settings"]["flash_attn"]
+    assert choice["asked"] == "auto" and choice["used"] in ("on", "off")
+    assert f"# settings: -fa auto -> {choice['used']} (measured)\n" in model_bench["_stdout"]
     # The fixture draft agrees with the target about 60% of the time.
     assert all(r["acceptance_rate"] > 0.2 for r in model_bench["runs"])
 

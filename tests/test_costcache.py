@@ -7,18 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import costcache
+from specdec_cli import backend, costcache
 from specdec_cli.costmodel import Costs
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions
 from specdec_cli.sampling import GREEDY
 
 COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
 
 
 def test_saved_costs_load_unchanged(cache: Path) -> None:
@@ -59,6 +53,25 @@ def test_key_names_files_and_settings(tmp_path: Path) -> None:
     assert key != costcache.cache_key([model], {"threads": 2})
 
 
+def test_key_names_the_llama_cpp_build(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Costs measured on a CPU build never serve a CUDA rebuild of llama.cpp."""
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    cpu_key = costcache.cache_key([model], {"threads": 2})
+    assert backend.build_identity()["backends"] == list(backend.backend_names())
+    cuda = {"backends": ["CUDA", "CPU"], "system_info": "CUDA : ARCHS = 890 | CPU : AVX2 = 1"}
+    monkeypatch.setattr(backend, "build_identity", lambda: cuda)
+    assert costcache.cache_key([model], {"threads": 2}) != cpu_key
+
+
+def test_other_entries_live_beside_the_costs(cache: Path) -> None:
+    costcache.save("abc", COSTS)
+    costcache.save_entry("flash_attn", "abc", {"used": "off"})
+    assert costcache.load_entry("flash_attn", "abc") == {"used": "off"}
+    assert costcache.load("abc") == COSTS  # same key, another kind: no clash
+    assert costcache.load_entry("probe", "abc") is None
+
+
 def auto_engine(target: Path, draft: Path, threads: int) -> Engine:
     return Engine(
         EngineOptions(
@@ -88,4 +101,4 @@ def test_engines_measure_once_per_settings(
             assert again.costs() == measured
     with auto_engine(target_model, draft_model, threads=2) as other:  # other settings
         assert other.costs() != measured
-    assert len(list(cache.rglob("*.json"))) == 2
+    assert len(list(cache.glob("costs/*.json"))) == 2

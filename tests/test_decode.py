@@ -143,7 +143,8 @@ def test_drafts_longer_than_a_batch_are_cut_to_one(stories260k: Path) -> None:
     assert speculative == reference
     assert max(stats.draft_lengths) == n_batch - 1  # it drafted as far as a batch allows
     assert warnings == [
-        "-k 600 is more than one batch can verify; drafts stop at 63 tokens (raise -b to allow more)"
+        "-k 600 is more than one batch can verify; drafts stop at 63 tokens "
+        "(raise -b to allow more)"
     ]
 
 

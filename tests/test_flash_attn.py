@@ -1,0 +1,101 @@
+"""-fa auto: the engine measures flash attention on and off once, keeps the faster, uses it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cli_run import GREEDY as GREEDY_FLAGS
+from test_cli_run import specdec
+
+from specdec_cli import engine
+from specdec_cli.costmodel import faster_flash_attn
+from specdec_cli.engine import Engine, EngineOptions
+from specdec_cli.llama import ContextParams
+from specdec_cli.sampling import GREEDY
+from specdec_cli.stats import FlashAttnChoice, Stats
+
+
+@pytest.fixture
+def contexts_made(monkeypatch: pytest.MonkeyPatch) -> list[ContextParams]:
+    """The ContextParams of every context the engine makes, in order."""
+    made: list[ContextParams] = []
+
+    class RecordingContext(engine.Context):
+        def __init__(self, model: engine.Model, params: ContextParams) -> None:
+            made.append(params)
+            super().__init__(model, params)
+
+    monkeypatch.setattr(engine, "Context", RecordingContext)
+    return made
+
+
+@pytest.mark.parametrize(
+    ("on", "off", "faster"), [(1.0, 2.0, "on"), (2.0, 1.0, "off"), (1.0, 1.0, "on")]
+)
+def test_faster_flash_attn(on: float, off: float, faster: str) -> None:
+    assert faster_flash_attn({"on": on, "off": off}) == faster
+
+
+def options(target: Path, draft: Path | None = None, **kwargs: object) -> EngineOptions:
+    return EngineOptions(target, draft, n_ctx=256, threads=1, sampling=GREEDY, **kwargs)
+
+
+def test_auto_uses_the_measured_faster_setting_and_caches_it(
+    cache: Path,
+    target_model: Path,
+    draft_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    contexts_made: list[ContextParams],
+) -> None:
+    timed: list[int] = []
+
+    def off_is_faster(self: Engine, n_ctx: int, threads: int) -> dict[str, float]:
+        timed.append(n_ctx)
+        return {"on": 2.0, "off": 1.0}
+
+    monkeypatch.setattr(Engine, "time_flash_attn", off_is_faster)
+    with Engine(options(target_model, draft_model)) as first:
+        assert first.flash_attn == FlashAttnChoice("auto", "off")
+    assert [p.flash_attn for p in contexts_made] == ["off", "off"]  # target and draft
+    with Engine(options(target_model)) as again:  # cached: not measured again
+        assert again.flash_attn.used == "off"
+    assert timed == [256]
+    with Engine(options(target_model, n_gpu_layers=0)) as other:
+        assert other.flash_attn.used == "off"
+    assert len(timed) == 2  # other settings: measured again
+    with Engine(options(target_model, flash_attn="on")) as asked:  # given: not measured
+        assert asked.flash_attn == FlashAttnChoice("on", "on")
+    assert len(timed) == 2 and contexts_made[-1].flash_attn == "on"
+
+
+def test_auto_measures_for_real_and_uses_its_choice(
+    cache: Path, target_model: Path, draft_model: Path, contexts_made: list[ContextParams]
+) -> None:
+    with Engine(options(target_model, draft_model)) as measured:
+        choice = measured.flash_attn
+        stats = Stats()
+        rng = np.random.default_rng(0)
+        text = "".join(measured.generate(measured.tokenize("Once"), 4, rng, stats))
+    assert choice.asked == "auto" and choice.used in ("on", "off")
+    # Two short-lived contexts measured "on" and "off"; then the long-lived ones.
+    assert [p.flash_attn for p in contexts_made] == ["on", "off", choice.used, choice.used]
+    (entry,) = cache.glob("flash_attn/*.json")
+    assert json.loads(entry.read_text()) == {"used": choice.used}
+    assert text and stats.flash_attn == choice
+    assert stats.summary().endswith(f", -fa auto -> {choice.used} (measured)")
+    assert stats.to_dict()["flash_attn"] == {"asked": "auto", "used": choice.used}
+
+
+def test_run_reports_the_choice(target_model: Path) -> None:
+    result = specdec("run", "-m", str(target_model), "-p", "Once", "-n", "4", *GREEDY_FLAGS)
+    assert result.returncode == 0, result.stderr
+    assert "-fa auto -> " in result.stderr and "(measured)" in result.stderr
+    record = json.loads(
+        specdec(
+            "run", "-m", str(target_model), "-p", "Once", "-n", "4", "--json", "-fa", "on"
+        ).stdout
+    )
+    assert record["flash_attn"] == {"asked": "on", "used": "on"}
