@@ -66,8 +66,8 @@ class Decoder:
         draft_ctx = drafter.ctx if drafter else None
         stats.k = self.label
         t_start = time.perf_counter()
-        target.trim(0)
-        target.decode(prompt[:-1], 0)
+        # The last prompt token goes into the first verification batch.
+        stats.prompt_reused = target.prefill(prompt[:-1])
         if drafter:
             drafter.begin(prompt)
         stats.prompt_tokens = len(prompt)
@@ -115,7 +115,7 @@ class Decoder:
                 if eog is not None:
                     new = new[:eog]
                     stats.stop_reason = "eos"
-                stats.record_round(draft.source, len(draft.tokens), n_accepted, len(new))
+                stats.record_round(draft.source, len(draft.tokens), len(batch), n_accepted, len(new))
                 tokens += new
                 n_new += len(new)
                 stats.seconds = time.perf_counter() - t_gen

@@ -65,8 +65,7 @@ class ModelDrafter:
         self._scratch = np.empty(0, np.float32)
 
     def begin(self, prompt: list[int]) -> None:
-        self.ctx.trim(0)
-        self.ctx.decode(prompt[:-1], 0)
+        self.ctx.prefill(prompt[:-1])
         self._n_cached, self._unchecked = len(prompt) - 1, []
 
     def _sync(self, tokens: list[int]) -> int:

@@ -296,6 +296,25 @@ class Context:
         self._checkpoint.forget_after(n_keep)
         return n_keep
 
+    def prefill(self, tokens: Sequence[int]) -> int:
+        """Make the memory hold exactly `tokens`, keeping the longest start of them it
+        already holds (a chat's earlier turns): returns how many tokens were reused."""
+        n = 0
+        for cached, token in zip(self.tokens, tokens):
+            if cached != token:
+                break
+            n += 1
+        if n < len(self.tokens) and not self._can_rewind_to(n):
+            n = 0  # a recurrent state that cannot go back there: start over
+        n = self.rewind(n)
+        self.decode(tokens[n:], n)
+        return n
+
+    def _can_rewind_to(self, n_keep: int) -> bool:
+        if not self.recurrent or n_keep == 0 or self._within_snapshots(n_keep):
+            return True
+        return self._checkpoint.n_tokens is not None and self._checkpoint.n_tokens <= n_keep
+
     def trim(self, n_keep: int) -> None:
         """Forget every token at position >= n_keep, replaying what a rewind undid."""
         kept = self.tokens[:n_keep]

@@ -32,6 +32,7 @@ class Stats:
 
     k: str = "0"
     prompt_tokens: int = 0
+    prompt_reused: int = 0  # of them, already in the target's memory from the last generation
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
@@ -50,14 +51,18 @@ class Stats:
     last_k: int = 0
     flash_attn: FlashAttnChoice | None = None
 
-    def record_round(self, source: str, n_drafted: int, n_accepted: int, n_new: int) -> None:
+    def record_round(
+        self, source: str, n_drafted: int, n_batch: int, n_accepted: int, n_new: int
+    ) -> None:
+        """`n_batch`: the tokens the target verified, n_drafted + 1, or a few more when a
+        recurrent model's rewind left accepted tokens to evaluate again."""
         self.target_passes += 1
         self.tokens += n_new
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.draft_lengths[n_drafted] += 1
         self.last_k = n_drafted
-        self.batch_sizes[n_drafted + 1] += 1
+        self.batch_sizes[n_batch] += 1
         if n_drafted:
             self.proposed_by[source] += n_drafted
             self.accepted_by[source] += n_accepted
@@ -96,6 +101,7 @@ class Stats:
         return {
             "tokens": self.tokens,
             "prompt_tokens": self.prompt_tokens,
+            "prompt_reused": self.prompt_reused,
             "drafted": self.drafted,
             "accepted": self.accepted,
             "acceptance_rate": round(self.acceptance_rate, 4),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -228,6 +229,40 @@ def test_generations_reuse_the_engine(
         second, _ = generate(engine, n_predict=64)
     assert first == fixture_reference[:30]
     assert second == fixture_reference
+
+
+def continue_chat(engine: Engine, turns: int = 3) -> list[tuple[list[int], list[int], Stats]]:
+    """A conversation of a few turns, each prompt the whole history plus a new line:
+    each turn's prompt, output and stats."""
+    history = engine.tokenize(PROMPT)
+    turns_seen = []
+    for _ in range(turns):
+        stats = Stats()
+        out: list[int] = []
+        for new in engine.decoder.generate(history, 16, np.random.default_rng(0), stats):
+            out += new.tokens
+        turns_seen.append((history, out, stats))
+        history = [*history, *out, *engine.tokenize(" and then")[1:]]
+    return turns_seen
+
+
+def test_next_turn_reuses_the_cached_history(target_model: Path, draft_model: Path) -> None:
+    """A follow-up prompt that starts with the last one evaluates only what is new,
+    and generates what a fresh engine generates."""
+    with open_engine(target_model, draft_model, 3) as engine:
+        turns = continue_chat(engine)
+    assert turns[0][2].prompt_reused == 0
+    for (_, out, previous), (_, _, stats) in itertools.pairwise(turns):
+        assert stats.prompt_reused >= previous.prompt_tokens + len(out) - 2
+    for prompt, out, _ in turns[1:]:
+        with open_engine(target_model, draft_model, 3) as engine:
+            stats = Stats()
+            fresh = [
+                t
+                for new in engine.decoder.generate(prompt, 16, np.random.default_rng(0), stats)
+                for t in new.tokens
+            ]
+        assert fresh == out
 
 
 SAMPLING = SamplingParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0)
