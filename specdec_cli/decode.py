@@ -115,7 +115,9 @@ class Decoder:
                 if eog is not None:
                     new = new[:eog]
                     stats.stop_reason = "eos"
-                stats.record_round(draft.source, len(draft.tokens), len(batch), n_accepted, len(new))
+                stats.record_round(
+                    draft.source, len(draft.tokens), len(batch), n_accepted, len(new)
+                )
                 tokens += new
                 n_new += len(new)
                 stats.seconds = time.perf_counter() - t_gen

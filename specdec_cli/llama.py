@@ -300,7 +300,7 @@ class Context:
         """Make the memory hold exactly `tokens`, keeping the longest start of them it
         already holds (a chat's earlier turns): returns how many tokens were reused."""
         n = 0
-        for cached, token in zip(self.tokens, tokens):
+        for cached, token in zip(self.tokens, tokens, strict=False):
             if cached != token:
                 break
             n += 1
