@@ -16,6 +16,7 @@ import typer
 
 from specdec_cli import __version__
 from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
+from specdec_cli.chat import ChatOptions, chat_options
 from specdec_cli.config import ModelSpec, PairSpec, load_config
 from specdec_cli.display import (
     bench_progress,
@@ -28,6 +29,7 @@ from specdec_cli.display import (
 )
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_gpu_layers, parse_k
 from specdec_cli.errors import UserError
+from specdec_cli.llama import builtin_chat_templates
 from specdec_cli.models import locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import Stats
@@ -389,11 +391,35 @@ def run(
     chat: Annotated[
         bool,
         typer.Option(
-            "--chat", help="Wrap the prompt in the target's chat template as a user message."
+            "--chat",
+            help="Wrap the prompt in the target's chat template as a user message, BOS "
+            "added as llama-completion adds it. llama.cpp formats the chat: it knows a "
+            "fixed set of formats and recognises a template by its markers; it does not "
+            "run Jinja.",
         ),
     ] = False,
     system: Annotated[
-        str | None, typer.Option("--system", help="With --chat: a system message.")
+        str | None, typer.Option("--system", help="A system message (implies --chat).")
+    ] = None,
+    messages: Annotated[
+        str | None,
+        typer.Option(
+            "--messages",
+            help='A conversation: a JSON file holding a list of {"role", "content"} objects '
+            "(roles system, user, assistant, tool); '-' reads stdin. Implies --chat. A prompt "
+            "(-p, -f, or each --prompts line) is added as the last user turn; --system is "
+            "added first (refused if the file has a system message). If the conversation "
+            "ends with an assistant message, the reply continues it.",
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template",
+            help="The chat format, instead of the model's own (implies --chat): a llama.cpp "
+            f"built-in name ({', '.join(builtin_chat_templates())}), or a Jinja template "
+            "file, which llama.cpp only recognises as one of those formats (else refused).",
+        ),
     ] = None,
     temp: TempOpt = None,
     top_k: TopKOpt = None,
@@ -445,17 +471,20 @@ def run(
     seed = _pick(seed, defaults.get("seed"), -1)
     if seed < 0:
         seed = int(np.random.SeedSequence().entropy % 2**32)
-    texts = _read_prompts(prompts) if prompts else [_read_prompt(prompt, file)]
+    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
+    texts = (
+        _read_prompts(prompts) if prompts else [_read_prompt(prompt, file, messages is not None)]
+    )
     # Say why the first -k auto run pauses, to a person watching (not to scripts).
     notify = note if sys.stderr.isatty() else None
     with Engine(options, notify=notify) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
         if prompts:
-            _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat, system)
+            _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat_opts)
         else:
             _run_one(
-                engine, texts[0], n_predict, seed, tuple(stop or ()), chat, system, as_json, quiet
+                engine, texts[0], n_predict, seed, tuple(stop or ()), chat_opts, as_json, quiet
             )
 
 
@@ -477,12 +506,16 @@ def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max:
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
 
 
-def _read_prompt(prompt: str | None, file: Path | None) -> str:
+def _read_prompt(prompt: str | None, file: Path | None, optional: bool = False) -> str | None:
+    """The prompt from -p, -f or stdin; None if `optional` and neither -p nor -f is given
+    (stdin is then left alone)."""
     if prompt is not None and file is not None:
         raise UserError("give the prompt with -p or with -f, not both")
     # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
     if file is not None:
         return _read_text(file).removesuffix("\n")
+    if prompt is None and optional:
+        return None
     if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
         return sys.stdin.read().removesuffix("\n")
     if prompt is None:
@@ -508,16 +541,15 @@ def _read_text(path: Path) -> str:
 
 def _run_one(
     engine: Engine,
-    text: str,
+    text: str | None,
     n_predict: int,
     seed: int,
     stop: tuple[str, ...],
-    chat: bool,
-    system: str | None,
+    chat: ChatOptions | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
-    tokens = engine.tokenize(text, chat, system)
+    tokens = engine.tokenize(text, chat)
     stats = Stats()
     display = make_display(stats, as_json, quiet)
     pieces: list[str] = []
@@ -540,14 +572,13 @@ def _run_many(
     n_predict: int,
     seed: int,
     stop: tuple[str, ...],
-    chat: bool,
-    system: str | None,
+    chat: ChatOptions | None,
 ) -> None:
     """One JSON line per prompt, each with its own random stream spawned from --seed."""
     streams = np.random.SeedSequence(seed).spawn(len(texts))
     for index, (text, stream) in enumerate(zip(texts, streams, strict=True)):
         stats = Stats()
-        tokens = engine.tokenize(text, chat, system)
+        tokens = engine.tokenize(text, chat)
         try:
             out = "".join(
                 engine.generate(tokens, n_predict, np.random.default_rng(stream), stats, stop)
@@ -683,7 +714,8 @@ def info(
     Without a model: the llama.cpp build (its backends, GPU offload, devices) and this
     machine (cores, where the cache and the config live).
 
-    Reads only the file's header, so it is instant even for large models.
+    Reads the file's header, and its vocabulary through llama.cpp (no weights), so it is
+    quick even for large models.
 
     Example: specdec info models/qwen2.5-7b-instruct-q4_k_m.gguf --json
     """
@@ -692,7 +724,7 @@ def info(
     if model is None:
         modelinfo.print_build(modelinfo.describe_build(), as_json=as_json)
         return
-    facts = modelinfo.describe(modelinfo.load_model(model, config))
+    facts = modelinfo.describe(modelinfo.load_model(model, config, need_vocab=False))
     modelinfo.print_info(facts, as_json=as_json)
 
 

@@ -55,9 +55,12 @@ class ModelDrafter:
 
     name = "model"
 
-    def __init__(self, ctx: Context, sampling: SamplingParams) -> None:
+    def __init__(self, ctx: Context, sampling: SamplingParams, n_vocab: int | None = None) -> None:
+        """`n_vocab`: the target's vocabulary size. A draft's vocabulary may be larger (as
+        llama.cpp allows), and a token the target does not have must never be proposed."""
         self.ctx = ctx
         self.sampling = sampling
+        self.n_vocab = n_vocab
         # The KV cache holds the first `_n_cached` accepted tokens, then `_unchecked`:
         # last round's draft tokens, which the target may or may not have accepted.
         self._n_cached = 0
@@ -103,7 +106,7 @@ class ModelDrafter:
                 self.ctx.decode(draft.tokens[-1:], len(tokens) + i - 1)
                 draft.calls += 1
                 n_evaluated = i
-            logits = self.ctx.logits(-1)
+            logits = self.ctx.logits(-1)[: self.n_vocab]
             if self.sampling.greedy:
                 token, q = int(np.argmax(logits)), None
                 # The top probability costs a pass over the vocabulary: only if asked.

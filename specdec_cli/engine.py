@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec_cli import backend, compat, costcache, gguf_meta
+from specdec_cli.chat import ChatOptions, prompt_tokens
 from specdec_cli.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
@@ -143,8 +144,8 @@ class Engine:
         self.options = options
         self.notify = notify
         draft_path = options.draft
-        self.warnings = check_models(options.target, draft_path) + batch_warnings(options)
         init_backend(options.verbose)
+        self.warnings = check_models(options.target, draft_path) + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
         self.warnings += [note for note in (repack_note, offload_note) if note]
@@ -202,12 +203,14 @@ class Engine:
         elif self.draft_ctx is None:
             raise UserError("no draft model is loaded; pass one with -d")
         elif kind == "model":
-            drafter = ModelDrafter(self.draft_ctx, sampling)
+            drafter = ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
         else:
             # Next to a draft model, only longer matches are worth more than its guess.
             n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
             lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy)
-            drafter = LookupThenModel(lookup, ModelDrafter(self.draft_ctx, sampling))
+            drafter = LookupThenModel(
+                lookup, ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
+            )
         n = parse_k(k)
         length: DraftLength
         if n is None:
@@ -322,10 +325,11 @@ class Engine:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def tokenize(self, prompt: str, chat: bool = False, system: str | None = None) -> list[int]:
-        if chat:
-            # The template writes the special tokens itself (BOS included, when it wants one).
-            return self.model.tokenize(self.model.chat_prompt(prompt, system), add_special=False)
+    def tokenize(self, prompt: str | None, chat: ChatOptions | None = None) -> list[int]:
+        """The prompt's tokens; with `chat`, wrapped in the target's chat format (the
+        prompt may then be None: the conversation is in chat.history)."""
+        if chat is not None:
+            return prompt_tokens(self.model, prompt, chat)
         return self.model.tokenize(prompt)
 
     def generate(
@@ -372,11 +376,14 @@ def batch_warnings(options: EngineOptions) -> list[str]:
 
 def check_models(target: Path, draft: Path | None) -> list[str]:
     """Refuse files llama.cpp would choke on, and drafts that cannot pair with the target,
-    before loading anything. Returns warnings worth showing."""
-    target_file = gguf_meta.read_gguf(target)
+    before loading any weights. Returns warnings worth showing."""
+    files = [gguf_meta.read_gguf(path) for path in (target, draft) if path]
+    for file in files:
+        if file.vocab_only:
+            raise UserError(compat.vocab_only_message(file))
     if draft is None:
         return []
-    report = compat.check_pair(target_file, gguf_meta.read_gguf(draft))
+    report = compat.check_pair(*(compat.facts_of(file) for file in files))
     if not report.ok:
         raise UserError(
             f"{draft.name} cannot draft for {target.name}: {report.problems[0]} "

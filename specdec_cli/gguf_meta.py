@@ -127,13 +127,6 @@ LLAMA_FTYPES: dict[int, str] = {
     41: "Q2_0",
 }
 
-# Token ids llama.cpp assumes when a file has no tokenizer.ggml.bos/eos_token_id key
-# (src/llama-vocab.cpp, per tokenizer.ggml.model); other tokenizers have none.
-_DEFAULT_BOS_EOS: dict[str, tuple[int | None, int | None]] = {
-    "llama": (1, 2),
-    "bert": (101, None),
-}
-
 
 @dataclass(frozen=True)
 class TensorInfo:
@@ -187,7 +180,10 @@ class GGUFFile:
 
     @property
     def quantization(self) -> str | None:
-        """The file's quantisation label (Q4_K_M, F16...), else its most common tensor type."""
+        """The file's quantisation label (Q4_K_M, F16...), else its most common tensor type;
+        None without weights."""
+        if self.vocab_only:
+            return None
         label = LLAMA_FTYPES.get(self.metadata.get("general.file_type"))
         if label is not None:
             return label
@@ -210,27 +206,6 @@ class GGUFFile:
         return self.metadata.get("tokenizer.ggml.token_type", [])
 
     @property
-    def bos_id(self) -> int | None:
-        default = _DEFAULT_BOS_EOS.get(self.vocab_type, (None, None))[0]
-        return self.metadata.get("tokenizer.ggml.bos_token_id", default)
-
-    @property
-    def eos_id(self) -> int | None:
-        default = _DEFAULT_BOS_EOS.get(self.vocab_type, (None, None))[1]
-        return self.metadata.get("tokenizer.ggml.eos_token_id", default)
-
-    @property
-    def add_bos(self) -> bool:
-        """Whether llama.cpp puts BOS before a prompt (its per-tokenizer default if unset)."""
-        return bool(
-            self.metadata.get("tokenizer.ggml.add_bos_token", self.vocab_type in ("llama", "bert"))
-        )
-
-    @property
-    def add_eos(self) -> bool:
-        return bool(self.metadata.get("tokenizer.ggml.add_eos_token", self.vocab_type == "t5"))
-
-    @property
     def chat_template(self) -> str | None:
         return self.metadata.get("tokenizer.chat_template")
 
@@ -238,6 +213,12 @@ class GGUFFile:
     def split_count(self) -> int:
         """How many files the model is split into (gguf-split); 1 for a single file."""
         return self.metadata.get("split.count", 1)
+
+    @property
+    def vocab_only(self) -> bool:
+        """A tokenizer without weights (like llama.cpp's models/ggml-vocab-*.gguf): no
+        tensors, and not the first file of a split model (which may hold none)."""
+        return not self.tensors and self.split_count == 1 and bool(self.tokens)
 
 
 class _Corrupt(Exception):

@@ -3,7 +3,8 @@ ggml which backends and devices the build has, aside).
 
 It exposes just what speculative decoding needs: load a model, make a context,
 decode a batch of tokens at given positions with logits where asked, read those
-logits as zero-copy numpy views, and cut the KV cache back to a position.
+logits as zero-copy numpy views, and cut the KV cache back to a position. Also
+llama.cpp's own view of a vocabulary and its chat-template formatting.
 """
 
 from __future__ import annotations
@@ -72,11 +73,45 @@ class ModelParams:
         return params, devices
 
 
-class Model:
-    """A loaded GGUF model and its vocabulary."""
+# llama.h: enum llama_vocab_type. Pairing compares these, not GGUF's tokenizer.ggml.model
+# names: "gpt2" and "gemma4" are both BPE to llama.cpp.
+VOCAB_TYPES = {
+    llama_cpp.LLAMA_VOCAB_TYPE_NONE: "none",
+    llama_cpp.LLAMA_VOCAB_TYPE_SPM: "SPM",
+    llama_cpp.LLAMA_VOCAB_TYPE_BPE: "BPE",
+    llama_cpp.LLAMA_VOCAB_TYPE_WPM: "WPM",
+    llama_cpp.LLAMA_VOCAB_TYPE_UGM: "UGM",
+    llama_cpp.LLAMA_VOCAB_TYPE_RWKV: "RWKV",
+    llama_cpp.LLAMA_VOCAB_TYPE_PLAMO2: "PLaMo2",
+}
 
-    def __init__(self, path: Path, params: ModelParams = ModelParams()) -> None:
+
+@dataclass(frozen=True)
+class VocabInfo:
+    """A tokenizer's special tokens and flags as llama.cpp applies them: with its defaults
+    for keys a file leaves out and its per-family overrides (Gemma 4 always adds BOS)."""
+
+    vocab_type: str
+    n_tokens: int
+    bos: int | None
+    eos: int | None
+    add_bos: bool
+    add_eos: bool
+
+
+def _token_or_none(token: int) -> int | None:
+    return None if token == llama_cpp.LLAMA_TOKEN_NULL else token
+
+
+class Model:
+    """A loaded GGUF model and its vocabulary. `vocab_only` loads the tokenizer alone
+    (no weights: cheap), enough to tokenize and to read the vocabulary's facts."""
+
+    def __init__(
+        self, path: Path, params: ModelParams = ModelParams(), vocab_only: bool = False
+    ) -> None:
         llama_params, _devices = params.to_llama()  # _devices: alive during the load
+        llama_params.vocab_only = vocab_only
         self.path = path
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_params)
         if not self.ptr:
@@ -94,6 +129,7 @@ class Model:
             llama_cpp.llama_model_is_hybrid,
         )
         self.recurrent: bool = is_recurrent(self.ptr) or is_hybrid(self.ptr)
+        self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
         self._pieces: dict[int, bytes] = {}
 
     def close(self) -> None:
@@ -133,31 +169,64 @@ class Model:
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
-    def chat_prompt(self, user: str, system: str | None = None) -> str:
-        """Format a one-turn conversation with the model's own (GGUF) chat template."""
-        template = llama_cpp.llama_model_chat_template(self.ptr, None)
-        if template is None:
-            raise UserError(
-                f"{self.path.name} has no chat template in its metadata; drop --chat and "
-                "write the prompt in the model's format yourself"
-            )
-        turns = ([("system", system)] if system else []) + [("user", user)]
-        messages = (llama_cpp.llama_chat_message * len(turns))(
-            *(llama_cpp.llama_chat_message(role.encode(), text.encode()) for role, text in turns)
+    def vocab_info(self) -> VocabInfo:
+        return VocabInfo(
+            vocab_type=VOCAB_TYPES.get(llama_cpp.llama_vocab_type(self.vocab), "unknown"),
+            n_tokens=self.n_vocab,
+            bos=_token_or_none(self.bos),
+            eos=_token_or_none(llama_cpp.llama_vocab_eos(self.vocab)),
+            add_bos=self.add_bos,
+            add_eos=bool(llama_cpp.llama_vocab_get_add_eos(self.vocab)),
         )
-        size = 2 * sum(len(t.encode()) for _, t in turns) + 1024
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_chat_apply_template(template, messages, len(turns), True, buf, size)
-            if n < 0:
-                raise UserError(
-                    f"llama.cpp does not support the chat template of {self.path.name}; "
-                    "drop --chat and format the prompt yourself"
-                )
-            if n <= size:
-                return buf.raw[:n].decode(errors="replace")
-            size = n + 1
-        raise AssertionError("chat template grew between two calls")
+
+    def chat_template(self) -> str | None:
+        """The model's own chat template (tokenizer.chat_template), if it has one."""
+        template = llama_cpp.llama_model_chat_template(self.ptr, None)
+        return None if template is None else template.decode(errors="replace")
+
+
+def read_vocab(path: Path) -> VocabInfo:
+    """The tokenizer facts of a model file, read by loading its vocabulary alone."""
+    model = Model(path, vocab_only=True)
+    try:
+        return model.vocab_info()
+    finally:
+        model.close()
+
+
+def builtin_chat_templates() -> list[str]:
+    """The names of the chat formats llama.cpp implements itself (chatml, llama3, gemma...)."""
+    n = llama_cpp.llama_chat_builtin_templates(None, 0)
+    names = (ctypes.c_char_p * n)()
+    llama_cpp.llama_chat_builtin_templates(names, n)
+    return [name.decode() for name in names]
+
+
+def apply_chat_template(
+    template: str, messages: Sequence[tuple[str, str]], add_assistant: bool
+) -> str | None:
+    """Format (role, content) messages with llama.cpp's llama_chat_apply_template; None if
+    llama.cpp does not recognise the template.
+
+    `template` is a built-in name or a template's text. llama.cpp does not run Jinja: it
+    recognises a known format by markers in the text (<|im_start|>, <start_of_turn>...) and
+    writes that format with its own code. `add_assistant` ends with the assistant's header.
+    """
+    chat = (llama_cpp.llama_chat_message * len(messages))(
+        *(llama_cpp.llama_chat_message(role.encode(), text.encode()) for role, text in messages)
+    )
+    size = 2 * sum(len(role) + len(text.encode()) for role, text in messages) + 1024
+    for _ in range(2):
+        buf = ctypes.create_string_buffer(size)
+        n = llama_cpp.llama_chat_apply_template(
+            template.encode(), chat, len(messages), add_assistant, buf, size
+        )
+        if n < 0:
+            return None
+        if n <= size:
+            return buf.raw[:n].decode(errors="replace")
+        size = n + 1
+    raise AssertionError("chat template grew between two calls")
 
 
 @dataclass(frozen=True)

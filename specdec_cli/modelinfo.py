@@ -11,15 +11,19 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specdec_cli.compat import CompatReport
+from specdec_cli.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.config import load_config
-from specdec_cli.gguf_meta import GGUFFile, read_gguf
+from specdec_cli.llama import init_backend
 from specdec_cli.models import locate_model
 
 
-def load_model(ref: str, config_path: str | None = None) -> GGUFFile:
-    """Resolve a model reference (path, config name, Hugging Face ref) and read its header."""
-    return read_gguf(locate_model(ref, load_config(config_path)))
+def load_model(ref: str, config_path: str | None = None, need_vocab: bool = True) -> ModelFacts:
+    """Resolve a model reference (path, config name, Hugging Face ref), read its header and
+    its vocabulary (through llama.cpp: no weights are loaded). Without `need_vocab`, a
+    vocabulary llama.cpp cannot load is left unknown instead of refused."""
+    path = locate_model(ref, load_config(config_path))
+    init_backend()  # quiets llama.cpp's log
+    return read_facts(path, need_vocab)
 
 
 def human_count(n: int) -> str:
@@ -38,26 +42,30 @@ def human_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _special_token(model: GGUFFile, token_id: int | None) -> dict[str, object] | None:
+def _special_token(tokens: list[str], token_id: int | None) -> dict[str, object] | None:
     if token_id is None:
         return None
-    text = model.tokens[token_id] if 0 <= token_id < len(model.tokens) else None
+    text = tokens[token_id] if 0 <= token_id < len(tokens) else None
     return {"id": token_id, "text": text}
 
 
-def describe(model: GGUFFile) -> dict[str, object]:
-    """The facts `specdec info` shows, as JSON-ready values (counts and sizes unformatted)."""
+def describe(facts: ModelFacts) -> dict[str, object]:
+    """The facts `specdec info` shows, as JSON-ready values (counts and sizes unformatted).
+    BOS and EOS are llama.cpp's (its defaults apply where the file sets none)."""
+    model, vocab = facts.file, facts.vocab
     return {
         "file": str(model.path),
         "architecture": model.architecture,
+        "vocab_only": model.vocab_only,
         "parameters": model.n_params,
         "layers": model.n_layers,
         "embedding_width": model.embedding_length,
         "context_length": model.context_length,
         "vocab_type": model.vocab_type,
         "vocab_size": len(model.tokens),
-        "bos": _special_token(model, model.bos_id),
-        "eos": _special_token(model, model.eos_id),
+        "bos": _special_token(model.tokens, vocab.bos) if vocab else None,
+        "eos": _special_token(model.tokens, vocab.eos) if vocab else None,
+        "add_bos": vocab.add_bos if vocab else None,
         "quantization": model.quantization,
         "file_size": model.file_size,
         "chat_template": model.chat_template is not None,
@@ -77,17 +85,27 @@ def _info_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
     def text(value: object) -> str:
         return "unknown" if value is None else str(value)
 
+    if facts["vocab_only"]:
+        parameters = "none: a vocabulary-only file (a tokenizer without weights), not runnable"
+    else:
+        parameters = human_count(facts["parameters"])
+    if facts["add_bos"] is None:  # llama.cpp could not read the vocabulary
+        bos = eos = "unknown"
+    else:
+        bos, eos = _token_text(facts["bos"]), _token_text(facts["eos"])
+        if facts["add_bos"]:
+            bos += ", added to prompts"
     rows = [
         ("file", text(facts["file"])),
         ("architecture", text(facts["architecture"])),
-        ("parameters", human_count(facts["parameters"])),
+        ("parameters", parameters),
         ("layers", text(facts["layers"])),
         ("embedding width", text(facts["embedding_width"])),
         ("context length (trained)", text(facts["context_length"])),
         ("vocabulary", f"{text(facts['vocab_type'])}, {facts['vocab_size']} tokens"),
-        ("BOS", _token_text(facts["bos"])),
-        ("EOS", _token_text(facts["eos"])),
-        ("quantization", text(facts["quantization"])),
+        ("BOS", bos),
+        ("EOS", eos),
+        ("quantization", "none" if facts["vocab_only"] else text(facts["quantization"])),
         ("file size", human_bytes(facts["file_size"])),
         ("chat template", "yes" if facts["chat_template"] else "no"),
     ]
@@ -165,7 +183,9 @@ def _print_facts(
     Console().print(table)
 
 
-def print_check(target: GGUFFile, draft: GGUFFile, report: CompatReport, *, as_json: bool) -> None:
+def print_check(
+    target: ModelFacts, draft: ModelFacts, report: CompatReport, *, as_json: bool
+) -> None:
     """Print the verdict on a draft/target pair, with every problem and warning."""
     if as_json:
         print(

@@ -133,3 +133,21 @@ def stories260k() -> Path:
     if not path.is_file():
         pytest.skip(f"real model not found: {path} (see ../shared/models/README.md)")
     return path
+
+
+SHARED_VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
+VOCAB_FAMILIES = ("qwen2", "llama-bpe", "gemma-4", "phi-3", "llama-spm")
+
+
+@pytest.fixture(scope="session")
+def vocab_file() -> Callable[[str], Path]:
+    """vocab_file("qwen2"): ../shared/vocab/ggml-vocab-qwen2.gguf, a real tokenizer without
+    weights (see ../shared/vocab/README.md); skips the test if it is not there."""
+
+    def find(family: str) -> Path:
+        path = SHARED_VOCAB / f"ggml-vocab-{family}.gguf"
+        if not path.is_file():
+            pytest.skip(f"vocabulary file not found: {path} (see ../shared/vocab/README.md)")
+        return path
+
+    return find

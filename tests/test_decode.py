@@ -7,6 +7,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import DRAFT_HPARAMS, DRAFT_LAYERS, target_tensors
+from gguf import TokenType
+from ggufgen import Vocab, first_layers, llama_metadata, pad_rows, write_gguf
 from scipy.stats import chi2_contingency
 
 from specdec_cli.decode import Decoder
@@ -360,3 +363,26 @@ def test_draft_p_min_cuts_drafts_short_and_stays_lossless(
     short = sum(n for k, n in stats.draft_lengths.items() if 0 < k < 6)
     assert short > 2  # cut short by the draft's doubt, not just by the end of -n
     assert stats.draft_lengths[0] <= 1  # never empty, but for a last round at the -n limit
+
+
+def test_draft_with_a_larger_vocabulary(
+    tmp_path: Path, vocab: Vocab, target_model: Path, fixture_reference: list[int]
+) -> None:
+    """llama.cpp pairs vocabularies up to 128 tokens apart. This draft's extra tokens copy
+    the target's favourite tokens at triple strength, so it prefers them; the target does
+    not have them, so they must never be proposed (llama_decode refuses unknown ids)."""
+    favourites = sorted(set(fixture_reference))
+    extra = Vocab(
+        vocab.tokens + [f"extra{i}" for i in range(len(favourites))],
+        vocab.scores + [0.0] * len(favourites),
+        vocab.types + [int(TokenType.NORMAL)] * len(favourites),
+    )
+    tensors = pad_rows(first_layers(target_tensors(vocab), DRAFT_LAYERS), len(favourites))
+    tensors["token_embd.weight"][len(vocab) :] = tensors["token_embd.weight"][favourites]
+    tensors["output.weight"][len(vocab) :] = 3 * tensors["output.weight"][favourites]
+    draft = write_gguf(tmp_path / "draft.gguf", llama_metadata(DRAFT_HPARAMS, extra), tensors)
+    with open_engine(target_model, draft) as engine:
+        assert any("extra draft tokens are real tokens" in w for w in engine.warnings)
+        out, stats = generate(engine)
+    assert out == fixture_reference
+    assert stats.accepted > 0

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
+from conftest import VOCAB_FAMILIES
 from gguf import GGUFValue, GGUFValueType, TokenType
 from ggufgen import HParams, Vocab, llama_metadata, spm_vocab, write_gguf
 
@@ -88,8 +90,6 @@ def test_reads_metadata_and_tensors(good_file: Path) -> None:
     assert model.tokens == vocab.tokens
     assert model.token_types == vocab.types
     assert model.metadata["tokenizer.ggml.scores"][-1] == vocab.scores[-1]
-    assert (model.bos_id, model.eos_id) == (1, 2)
-    assert (model.add_bos, model.add_eos) == (True, False)
     assert model.chat_template == "{{ messages }}"
     assert model.split_count == 3
     assert [(t.name, t.shape, t.type_name) for t in model.tensors] == [
@@ -101,28 +101,36 @@ def test_reads_metadata_and_tensors(good_file: Path) -> None:
 
 
 def test_file_type_key_names_the_quantization(tmp_path: Path) -> None:
-    path = tiny_model(tmp_path / "m.gguf", changes={"general.file_type": u32(15)})
+    weights = {"w": np.zeros(8, np.float32)}  # without weights, a file has no quantization
+    path = tiny_model(tmp_path / "m.gguf", changes={"general.file_type": u32(15)}, tensors=weights)
     assert read_gguf(path).quantization == "Q4_K_M"
 
 
-def test_llama_defaults_when_keys_are_missing(tmp_path: Path) -> None:
-    # llama.cpp's defaults for a SentencePiece vocabulary: BOS 1, EOS 2, add BOS only.
-    missing = ("bos_token_id", "eos_token_id", "add_bos_token", "add_eos_token")
-    changes = {f"tokenizer.ggml.{key}": None for key in missing}
-    model = read_gguf(tiny_model(tmp_path / "m.gguf", changes=changes))
-    assert (model.bos_id, model.eos_id, model.add_bos, model.add_eos) == (1, 2, True, False)
+def test_optional_keys_missing(tmp_path: Path) -> None:
+    model = read_gguf(tiny_model(tmp_path / "m.gguf"))
     assert model.chat_template is None
     assert model.split_count == 1
 
 
-def test_bpe_defaults_when_keys_are_missing(tmp_path: Path) -> None:
-    changes: dict[str, GGUFValue | None] = {
-        "tokenizer.ggml.model": string("gpt2"),
-        "tokenizer.ggml.bos_token_id": None,
-        "tokenizer.ggml.add_bos_token": None,
-    }
-    model = read_gguf(tiny_model(tmp_path / "m.gguf", changes=changes))
-    assert (model.vocab_type, model.bos_id, model.add_bos) == ("gpt2", None, False)
+def test_vocabulary_only_file(tmp_path: Path) -> None:
+    """A tokenizer and no tensors: no weights, so no quantization either (whatever
+    general.file_type says)."""
+    model = read_gguf(tiny_model(tmp_path / "vocab.gguf", changes={"general.file_type": u32(1)}))
+    assert model.vocab_only
+    assert (model.n_params, model.quantization) == (0, None)
+    weights = {"w": np.zeros(8, np.float32)}
+    assert not read_gguf(tiny_model(tmp_path / "model.gguf", tensors=weights)).vocab_only
+    # The first file of a split model may hold metadata only (gguf-split --no-tensor-first-split).
+    split = {"split.count": GGUFValue(2, GGUFValueType.UINT16)}
+    assert not read_gguf(tiny_model(tmp_path / "split.gguf", changes=split)).vocab_only
+
+
+@pytest.mark.parametrize("family", VOCAB_FAMILIES)
+def test_real_vocabulary_only_files_are_recognised(
+    family: str, vocab_file: Callable[[str], Path]
+) -> None:
+    model = read_gguf(vocab_file(family))
+    assert model.vocab_only and model.quantization is None
 
 
 def test_file_without_vocabulary_or_tensors(tmp_path: Path) -> None:
@@ -130,8 +138,9 @@ def test_file_without_vocabulary_or_tensors(tmp_path: Path) -> None:
     write_gguf(path, {"general.architecture": string("llama")}, {})
     model = read_gguf(path)
     assert model.tokens == [] and model.token_types == [] and model.vocab_type is None
-    assert (model.bos_id, model.eos_id, model.n_layers) == (None, None, None)
+    assert model.n_layers is None
     assert model.n_params == 0 and model.quantization is None
+    assert not model.vocab_only
 
 
 def test_invalid_utf8_tokens_stay_distinct(tmp_path: Path) -> None:
@@ -161,7 +170,6 @@ def test_stories260k(stories260k: Path) -> None:
     assert (model.n_layers, model.context_length, model.embedding_length) == (5, 2048, 64)
     assert model.vocab_type == "llama" and len(model.tokens) == 512
     assert model.tokens[:3] == ["<unk>", "<s>", "</s>"]
-    assert (model.bos_id, model.eos_id) == (1, 2)
     assert model.quantization == "F32"
     assert model.n_params == 292_800
     check_gguf(stories260k)

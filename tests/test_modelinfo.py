@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from test_gguf_meta import string, tiny_model
 
 from specdec_cli import modelinfo
 from specdec_cli.cli import main
-from specdec_cli.gguf_meta import read_gguf
+from specdec_cli.compat import read_facts
 
 
 @pytest.fixture(autouse=True)
@@ -50,10 +51,11 @@ def test_human_bytes(n: int, text: str) -> None:
 
 
 def test_describe(target_model: Path) -> None:
-    facts = modelinfo.describe(read_gguf(target_model))
+    facts = modelinfo.describe(read_facts(target_model))
     assert facts == {
         "file": str(target_model),
         "architecture": "llama",
+        "vocab_only": False,
         "parameters": facts["parameters"],  # checked below
         "layers": 4,
         "embedding_width": 64,
@@ -62,6 +64,7 @@ def test_describe(target_model: Path) -> None:
         "vocab_size": 495,
         "bos": {"id": 1, "text": "<s>"},
         "eos": {"id": 2, "text": "</s>"},
+        "add_bos": True,
         "quantization": "F32",
         "file_size": target_model.stat().st_size,
         "chat_template": False,
@@ -80,7 +83,8 @@ def test_info_lines_when_piped(
     lines = out.splitlines()
     for line in (
         "architecture: llama", "parameters: 292.8K", "layers: 5", "embedding width: 64",
-        "context length (trained): 2048", "vocabulary: llama, 512 tokens", "BOS: 1 '<s>'",
+        "context length (trained): 2048", "vocabulary: llama, 512 tokens",
+        "BOS: 1 '<s>', added to prompts",
         "EOS: 2 '</s>'", "quantization: F32", "file size: 1.2 MB", "chat template: no",
     ):
         assert line in lines
@@ -91,11 +95,41 @@ def test_info_table_on_a_terminal(
 ) -> None:
     path = tiny_model(tmp_path / "m.gguf", changes={"tokenizer.chat_template": string("{{x}}")})
     monkeypatch.setattr(sys.stdout, "isatty", lambda: True)
-    modelinfo.print_info(modelinfo.describe(read_gguf(path)), as_json=False)
+    modelinfo.print_info(modelinfo.describe(read_facts(path)), as_json=False)
     out = capsys.readouterr().out
     assert "architecture:" not in out
     assert "chat template" in out and "yes" in out
     assert "'<s>'" in out  # token texts are not eaten as rich markup
+
+
+def test_info_says_a_vocabulary_only_file_has_no_weights(
+    vocab_file: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    path = vocab_file("qwen2")
+    code, out, _ = run_cli(["info", str(path)], monkeypatch, capsys)
+    assert code == 0
+    lines = out.splitlines()
+    assert (
+        "parameters: none: a vocabulary-only file (a tokenizer without weights), not runnable"
+    ) in lines
+    assert "quantization: none" in lines  # not the F16 its general.file_type claims
+    assert "BOS: 151643 '<|endoftext|>'" in lines  # Qwen2 does not add it
+    code, out, _ = run_cli(["info", str(path), "--json"], monkeypatch, capsys)
+    facts = json.loads(out)
+    assert (facts["vocab_only"], facts["parameters"], facts["quantization"]) == (True, 0, None)
+
+
+def test_info_when_llama_cpp_cannot_read_the_vocabulary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An architecture this llama.cpp does not know: the header is still worth showing."""
+    path = tiny_model(tmp_path / "m.gguf", changes={"general.architecture": string("future")})
+    code, out, _ = run_cli(["info", str(path)], monkeypatch, capsys)
+    assert code == 0
+    assert "architecture: future" in out.splitlines()
+    assert "BOS: unknown" in out.splitlines()
 
 
 def test_info_json(
@@ -103,7 +137,7 @@ def test_info_json(
 ) -> None:
     code, out, _ = run_cli(["info", str(target_model), "--json"], monkeypatch, capsys)
     assert code == 0
-    assert json.loads(out) == modelinfo.describe(read_gguf(target_model))
+    assert json.loads(out) == modelinfo.describe(read_facts(target_model))
 
 
 def test_info_by_config_name(
@@ -162,7 +196,7 @@ def test_check_padding_warning_with_md_alias(
     args = ["check", "-m", str(padded_vocab_model), "-md", str(target_model)]
     code, out, _ = run_cli(args, monkeypatch, capsys)
     assert code == 0
-    assert "warning: vocabulary sizes differ only by padding" in out
+    assert "warning: vocabulary sizes differ: target has 511 tokens, draft has 495" in out
 
 
 def test_check_incompatible_pair_exits_1(
