@@ -179,7 +179,7 @@ def _fill(ctx: Context, position: int) -> None:
 
 def _decode_and_drop(ctx: Context, n: int, position: int) -> None:
     """A batch of n tokens with logits for all, as a verification has; then forgotten."""
-    ctx.checkpoint(n)
+    ctx.checkpoint()  # the whole batch goes: more than snapshots undo
     ctx.decode([_filler(ctx)] * n, position, n_logits=n)
     ctx.trim(position)
 

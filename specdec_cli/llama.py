@@ -282,6 +282,7 @@ class Context:
         self.decode_calls = 0
         self.tokens: list[int] = []  # what the memory holds, by position
         self._last_call_start = 0  # position of the first token of the last decode call
+        self._first_logit = 0  # place in that call's batch of the first token with logits
         self._checkpoint = _Checkpoint()
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         # Every token belongs to sequence 0: set that once, then fill the batch through
@@ -331,22 +332,26 @@ class Context:
                     f"at position {pos + start}"
                 )
             self._last_call_start = pos + start
+            self._first_logit = max(0, first_wanted - start)
             self.tokens.extend(chunk)
 
     def logits(self, i: int) -> np.ndarray:
         """Row i of the last decode's logits (i counts the tokens that asked for logits;
         -1 is the last): a view into llama.cpp's buffer, valid until the next decode."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i)
+        # llama.cpp counts non-negative rows by their token's place in the batch.
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i + self._first_logit if i >= 0 else i)
         return np.frombuffer(
             self._row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
         )
 
     def checkpoint(self, n_ahead: int | None = None) -> None:
-        """Make the current length a point `trim` can come back to, once up to `n_ahead`
-        more tokens are decoded in one call (None: in any number of calls).
+        """Make the current length a point `rewind` can come back to. `n_ahead`: the
+        rewind will drop at most that many tokens of the next decode call, and keep at
+        least its first one (None: no such promise).
 
-        Only recurrent states need this. When llama.cpp keeps enough snapshots of the
-        next call's states, nothing needs to be saved either.
+        Only recurrent states need this. llama.cpp's snapshots (where the family has
+        them) cover such a rewind, and then nothing needs to be saved: they hold the
+        states after each token of the last call, but not the state before it.
         """
         if not self.recurrent or (n_ahead is not None and n_ahead <= self.n_rs_seq):
             return
@@ -391,8 +396,9 @@ class Context:
         self.decode(kept[n:], n)
 
     def _within_snapshots(self, n_keep: int) -> bool:
-        """llama.cpp's snapshots cover the trailing tokens of the last decode call only:
-        going further back (or twice without a decode) would silently give a wrong state."""
+        """llama.cpp's snapshots cover the trailing tokens of the last decode call only,
+        not its first: going further back (or twice without a decode) silently gives a
+        wrong state, though llama_memory_seq_rm reports success."""
         return n_keep > self._last_call_start and len(self.tokens) - n_keep <= self.n_rs_seq
 
     def _remove_from(self, pos: int) -> None:

@@ -14,6 +14,8 @@ import pytest
 from ggufgen import (
     EOS_ID,
     HParams,
+    Lfm2Params,
+    MambaParams,
     Vocab,
     first_layers,
     llama_metadata,
@@ -22,6 +24,8 @@ from ggufgen import (
     padded,
     spm_vocab,
     write_gguf,
+    write_lfm2_model,
+    write_mamba_model,
 )
 
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
@@ -151,3 +155,47 @@ def vocab_file() -> Callable[[str], Path]:
         return path
 
     return find
+
+
+@pytest.fixture(scope="session")
+def mamba_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
+    """A 3-layer Mamba target whose last layer is weak, and its first 2 layers as draft
+    (greedy acceptance about 0.8 at k=3). Every layer is recurrent."""
+    folder = tmp_path_factory.mktemp("mamba")
+    made = [
+        write_mamba_model(folder / name, vocab, MambaParams(), SEED, 1, WEAK_SCALE, n_layer)
+        for name, n_layer in (("target.gguf", 3), ("draft.gguf", 2))
+    ]
+    return made[0], made[1]
+
+
+@pytest.fixture(scope="session")
+def mamba_target(mamba_pair: tuple[Path, Path]) -> Path:
+    return mamba_pair[0]
+
+
+@pytest.fixture(scope="session")
+def mamba_draft(mamba_pair: tuple[Path, Path]) -> Path:
+    return mamba_pair[1]
+
+
+@pytest.fixture(scope="session")
+def hybrid_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
+    """A 4-layer LFM2 target (short-convolution layers 0 and 2, attention layers 1 and 3,
+    the last two weak) and its first 2 layers as draft (greedy acceptance about 0.3)."""
+    folder = tmp_path_factory.mktemp("lfm2")
+    made = [
+        write_lfm2_model(folder / name, vocab, Lfm2Params(), SEED, 2, WEAK_SCALE, n_layer)
+        for name, n_layer in (("target.gguf", 4), ("draft.gguf", 2))
+    ]
+    return made[0], made[1]
+
+
+@pytest.fixture(scope="session")
+def hybrid_target(hybrid_pair: tuple[Path, Path]) -> Path:
+    return hybrid_pair[0]
+
+
+@pytest.fixture(scope="session")
+def hybrid_draft(hybrid_pair: tuple[Path, Path]) -> Path:
+    return hybrid_pair[1]

@@ -269,3 +269,173 @@ def write_llama_model(
     """A whole random F32 llama model in one call."""
     tensors = llama_tensors(hp, vocab, seed, weak_layers, weak_scale)
     return write_gguf(path, llama_metadata(hp, vocab, eos_token_id), tensors)
+
+
+def _u32(value: int) -> GGUFValue:
+    return GGUFValue(value, GGUFValueType.UINT32)
+
+
+def with_architecture(
+    metadata: Mapping[str, GGUFValue], arch: str, keys: Mapping[str, GGUFValue]
+) -> dict[str, GGUFValue]:
+    """A llama model's tokenizer metadata, moved to another architecture's keys."""
+    kept = {k: v for k, v in metadata.items() if not k.startswith("llama.")}
+    return (
+        kept
+        | {"general.architecture": GGUFValue(arch, GGUFValueType.STRING)}
+        | {f"{arch}.{key}": value for key, value in keys.items()}
+    )
+
+
+@dataclass(frozen=True)
+class MambaParams:
+    """Mamba-1 hyper-parameters: all layers recurrent (a selective state space)."""
+
+    n_embd: int = 64
+    n_layer: int = 3
+    d_inner: int = 128
+    d_state: int = 8
+    d_conv: int = 4
+    dt_rank: int = 8
+    n_ctx_train: int = 256
+
+
+def mamba_block(
+    rng: np.random.Generator, layer: int, mp: MambaParams, out_scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    """One random Mamba layer; out_scale shrinks what it adds to the residual stream."""
+    prefix = f"blk.{layer}."
+    # A = -exp(A_log) < 0 keeps the state decaying: a stable recurrence.
+    a = -np.tile(np.arange(1, mp.d_state + 1, dtype=np.float32), (mp.d_inner, 1))
+    return {
+        prefix + "attn_norm.weight": np.ones(mp.n_embd, dtype=np.float32),
+        prefix + "ssm_in.weight": random_matrix(rng, 2 * mp.d_inner, mp.n_embd),
+        prefix + "ssm_conv1d.weight": random_matrix(rng, mp.d_inner, mp.d_conv),
+        prefix + "ssm_conv1d.bias": np.zeros(mp.d_inner, dtype=np.float32),
+        prefix + "ssm_x.weight": random_matrix(rng, mp.dt_rank + 2 * mp.d_state, mp.d_inner),
+        prefix + "ssm_dt.weight": random_matrix(rng, mp.d_inner, mp.dt_rank),
+        prefix + "ssm_dt.bias": np.full(mp.d_inner, -2.0, dtype=np.float32),
+        prefix + "ssm_a": a,
+        prefix + "ssm_d": np.ones(mp.d_inner, dtype=np.float32),
+        prefix + "ssm_out.weight": random_matrix(rng, mp.n_embd, mp.d_inner, out_scale),
+    }
+
+
+def write_mamba_model(
+    path: Path,
+    vocab: Vocab,
+    mp: MambaParams,
+    seed: int,
+    weak_layers: int = 0,
+    weak_scale: float = 1.0,
+    n_layer: int | None = None,
+) -> Path:
+    """A random F32 Mamba model; `n_layer` cuts it after that many layers (its draft)."""
+    rng = np.random.default_rng(seed)
+    tensors = _embeddings(rng, vocab, mp.n_embd)
+    for layer in range(mp.n_layer):
+        weak = layer >= mp.n_layer - weak_layers
+        tensors |= mamba_block(rng, layer, mp, weak_scale if weak else 1.0)
+    n_layer = mp.n_layer if n_layer is None else n_layer
+    keys = {
+        "context_length": _u32(mp.n_ctx_train),
+        "embedding_length": _u32(mp.n_embd),
+        "block_count": _u32(n_layer),
+        "feed_forward_length": _u32(0),
+        "attention.head_count": _u32(0),
+        "attention.layer_norm_rms_epsilon": GGUFValue(1e-5, GGUFValueType.FLOAT32),
+        "ssm.conv_kernel": _u32(mp.d_conv),
+        "ssm.inner_size": _u32(mp.d_inner),
+        "ssm.state_size": _u32(mp.d_state),
+        "ssm.time_step_rank": _u32(mp.dt_rank),
+    }
+    metadata = with_architecture(llama_metadata(HParams(), vocab), "mamba", keys)
+    return write_gguf(path, metadata, first_layers(tensors, n_layer))
+
+
+@dataclass(frozen=True)
+class Lfm2Params:
+    """LFM2 hyper-parameters: short-convolution (recurrent) layers, and attention
+    layers at the positions in `attention_layers`."""
+
+    n_embd: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_head_kv: int = 2
+    n_ff: int = 128
+    l_cache: int = 3
+    attention_layers: tuple[int, ...] = (1, 3)
+    n_ctx_train: int = 256
+
+
+def lfm2_block(
+    rng: np.random.Generator, layer: int, lp: Lfm2Params, out_scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    prefix = f"blk.{layer}."
+    head = lp.n_embd // lp.n_head
+    if layer in lp.attention_layers:
+        mixer = llama_block(rng, layer, lp.n_embd, lp.n_head, lp.n_head_kv, lp.n_ff, out_scale)
+        mixer = {k: v for k, v in mixer.items() if "attn_" in k}
+        mixer[prefix + "attn_q_norm.weight"] = np.ones(head, dtype=np.float32)
+        mixer[prefix + "attn_k_norm.weight"] = np.ones(head, dtype=np.float32)
+    else:
+        mixer = {
+            prefix + "attn_norm.weight": np.ones(lp.n_embd, dtype=np.float32),
+            prefix + "shortconv.conv.weight": random_matrix(rng, lp.n_embd, lp.l_cache),
+            prefix + "shortconv.in_proj.weight": random_matrix(rng, 3 * lp.n_embd, lp.n_embd),
+            prefix + "shortconv.out_proj.weight": random_matrix(
+                rng, lp.n_embd, lp.n_embd, out_scale
+            ),
+        }
+    gate, up, down = ffn_weights(rng, lp.n_embd, lp.n_ff, out_scale)
+    return mixer | {
+        prefix + "ffn_norm.weight": np.ones(lp.n_embd, dtype=np.float32),
+        prefix + "ffn_gate.weight": gate,
+        prefix + "ffn_up.weight": up,
+        prefix + "ffn_down.weight": down,
+    }
+
+
+def write_lfm2_model(
+    path: Path,
+    vocab: Vocab,
+    lp: Lfm2Params,
+    seed: int,
+    weak_layers: int = 0,
+    weak_scale: float = 1.0,
+    n_layer: int | None = None,
+) -> Path:
+    """A random F32 LFM2 (hybrid) model; `n_layer` cuts it after that many layers."""
+    rng = np.random.default_rng(seed)
+    tensors = _embeddings(rng, vocab, lp.n_embd)
+    tensors["token_embd_norm.weight"] = tensors.pop("output_norm.weight")  # LFM2's name
+    for layer in range(lp.n_layer):
+        weak = layer >= lp.n_layer - weak_layers
+        tensors |= lfm2_block(rng, layer, lp, weak_scale if weak else 1.0)
+    n_layer = lp.n_layer if n_layer is None else n_layer
+    kv_heads = [lp.n_head_kv if i in lp.attention_layers else 0 for i in range(n_layer)]
+    keys = {
+        "context_length": _u32(lp.n_ctx_train),
+        "embedding_length": _u32(lp.n_embd),
+        "block_count": _u32(n_layer),
+        "feed_forward_length": _u32(lp.n_ff),
+        "attention.head_count": _u32(lp.n_head),
+        "attention.head_count_kv": GGUFValue(kv_heads, GGUFValueType.ARRAY, GGUFValueType.INT32),
+        "rope.freq_base": GGUFValue(10000.0, GGUFValueType.FLOAT32),
+        "attention.layer_norm_rms_epsilon": GGUFValue(1e-5, GGUFValueType.FLOAT32),
+        "shortconv.l_cache": _u32(lp.l_cache),
+    }
+    metadata = with_architecture(llama_metadata(HParams(), vocab), "lfm2", keys)
+    return write_gguf(path, metadata, first_layers(tensors, n_layer))
+
+
+def _embeddings(rng: np.random.Generator, vocab: Vocab, n_embd: int) -> dict[str, np.ndarray]:
+    """Token embeddings, the output matrix and its norm, as llama_tensors makes them."""
+    output = rng.standard_normal((len(vocab), n_embd), dtype=np.float32)
+    output *= np.float32(4.0 / np.sqrt(n_embd))
+    output[:FIRST_PIECE_ID] = 0.0
+    return {
+        "token_embd.weight": rng.standard_normal((len(vocab), n_embd), dtype=np.float32),
+        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output.weight": output,
+    }
