@@ -113,6 +113,27 @@ CtxOpt = Annotated[
         "-c", "--ctx-size", min=0, help="Context size in tokens (0: the model's own, at most 4096)."
     ),
 ]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-b",
+        "--batch-size",
+        min=1,
+        help="Most tokens one decode call takes; a round's draft is verified in one "
+        f"call, so drafts stop at this minus 1. [default: {EngineOptions.n_batch}]",
+        show_default=False,
+    ),
+]
+UBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-ub",
+        "--ubatch-size",
+        min=1,
+        help=f"Most tokens one compute graph takes. [default: {EngineOptions.n_ubatch}]",
+        show_default=False,
+    ),
+]
 ThreadsOpt = Annotated[
     int | None,
     typer.Option("-t", "--threads", min=0, help="CPU threads for the target (0: physical cores)."),
@@ -253,6 +274,8 @@ def engine_options(
     *,
     k: str | None,
     ctx_size: int | None,
+    batch_size: int | None,
+    ubatch_size: int | None,
     threads: int | None,
     threads_draft: int | None,
     n_gpu_layers: str | None,
@@ -302,6 +325,8 @@ def engine_options(
         draft=locate_draft(draft, config) if draft else None,
         ngram=ngram,
         n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
+        n_batch=_pick(batch_size, EngineOptions.n_batch),
+        n_ubatch=_pick(ubatch_size, EngineOptions.n_ubatch),
         threads=_pick(threads, target_spec.threads, 0),
         threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
@@ -333,7 +358,8 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
 
 
 SHARED_OPTIONS = (
-    "ctx_size", "threads", "threads_draft", "n_gpu_layers", "n_gpu_layers_draft",
+    "ctx_size", "batch_size", "ubatch_size", "threads", "threads_draft", "n_gpu_layers",
+    "n_gpu_layers_draft",
     "device", "device_draft", "repack", "flash_attn", "temp", "top_k", "top_p", "min_p",
     "draft_max", "draft_min", "draft_p_min", "ngram_min", "ngram_max", "verbose",
 )  # fmt: skip
@@ -427,6 +453,8 @@ def run(
     min_p: MinPOpt = None,
     seed: SeedOpt = None,
     ctx_size: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,
@@ -623,6 +651,8 @@ def bench(
     min_p: MinPOpt = None,
     seed: Annotated[int, typer.Option("--seed", help="Random seed (sampling only).")] = 0,
     ctx_size: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UBatchOpt = None,
     threads: ThreadsOpt = None,
     threads_draft: ThreadsDraftOpt = None,
     n_gpu_layers: NglOpt = None,

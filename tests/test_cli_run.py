@@ -261,3 +261,19 @@ def test_draft_length_is_auto_by_default(target_model: Path, draft_model: Path) 
         "run", "-m", str(target_model), "-d", str(draft_model), "-p", "hi", "-n", "8", "--json"
     )
     assert json.loads(result.stdout)["k"] == "auto"
+
+
+def test_long_lookup_drafts_on_a_copy_prompt(stories260k: Path) -> None:
+    """-d ngram -k 600 on text that repeats a story: drafts are cut to one batch (-b),
+    said once, and the text is the target's own."""
+    model = ["run", "-m", str(stories260k), *GREEDY]
+    story = specdec(*model, "-d", "none", "-p", "Once upon a time", "-n", "200").stdout
+    prompt = ["-p", f"Once upon a time{story} Once upon a time", "-n", "150", "-b", "64"]
+    runs = [
+        specdec(*model, *drafting, *prompt, "--json")
+        for drafting in (["-d", "none"], ["-d", "ngram", "-k", "600"])
+    ]
+    reference, lookup = (json.loads(run.stdout) for run in runs)
+    assert lookup["text"] == reference["text"]
+    assert max(int(k) for k in lookup["k_histogram"]) == 63
+    assert runs[1].stderr.count("drafts stop at 63 tokens") == 1
