@@ -13,6 +13,9 @@ import numpy as np
 import pytest
 from ggufgen import (
     EOS_ID,
+    LFM2,
+    MAMBA,
+    Family,
     HParams,
     Lfm2Params,
     MambaParams,
@@ -23,9 +26,8 @@ from ggufgen import (
     pad_rows,
     padded,
     spm_vocab,
+    write_family_model,
     write_gguf,
-    write_lfm2_model,
-    write_mamba_model,
 )
 
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
@@ -157,45 +159,26 @@ def vocab_file() -> Callable[[str], Path]:
     return find
 
 
+def family_pair(
+    folder: Path, family: Family, vocab: Vocab, params: MambaParams | Lfm2Params, weak: int
+) -> tuple[Path, Path]:
+    """A target whose last `weak` layers are weak, and its first two layers as draft."""
+    target, draft = (
+        write_family_model(folder / name, family, vocab, params, SEED, weak, WEAK_SCALE, n_layer)
+        for name, n_layer in (("target.gguf", params.n_layer), ("draft.gguf", DRAFT_LAYERS))
+    )
+    return target, draft
+
+
 @pytest.fixture(scope="session")
 def mamba_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
-    """A 3-layer Mamba target whose last layer is weak, and its first 2 layers as draft
-    (greedy acceptance about 0.8 at k=3). Every layer is recurrent."""
-    folder = tmp_path_factory.mktemp("mamba")
-    made = [
-        write_mamba_model(folder / name, vocab, MambaParams(), SEED, 1, WEAK_SCALE, n_layer)
-        for name, n_layer in (("target.gguf", 3), ("draft.gguf", 2))
-    ]
-    return made[0], made[1]
-
-
-@pytest.fixture(scope="session")
-def mamba_target(mamba_pair: tuple[Path, Path]) -> Path:
-    return mamba_pair[0]
-
-
-@pytest.fixture(scope="session")
-def mamba_draft(mamba_pair: tuple[Path, Path]) -> Path:
-    return mamba_pair[1]
+    """A 3-layer Mamba target, the last layer weak, and its 2-layer draft (greedy
+    acceptance about 0.8 at k=3). Every layer is recurrent."""
+    return family_pair(tmp_path_factory.mktemp("mamba"), MAMBA, vocab, MambaParams(), 1)
 
 
 @pytest.fixture(scope="session")
 def hybrid_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
     """A 4-layer LFM2 target (short-convolution layers 0 and 2, attention layers 1 and 3,
-    the last two weak) and its first 2 layers as draft (greedy acceptance about 0.3)."""
-    folder = tmp_path_factory.mktemp("lfm2")
-    made = [
-        write_lfm2_model(folder / name, vocab, Lfm2Params(), SEED, 2, WEAK_SCALE, n_layer)
-        for name, n_layer in (("target.gguf", 4), ("draft.gguf", 2))
-    ]
-    return made[0], made[1]
-
-
-@pytest.fixture(scope="session")
-def hybrid_target(hybrid_pair: tuple[Path, Path]) -> Path:
-    return hybrid_pair[0]
-
-
-@pytest.fixture(scope="session")
-def hybrid_draft(hybrid_pair: tuple[Path, Path]) -> Path:
-    return hybrid_pair[1]
+    the last two weak) and its 2-layer draft (greedy acceptance about 0.3)."""
+    return family_pair(tmp_path_factory.mktemp("lfm2"), LFM2, vocab, Lfm2Params(), 2)

@@ -10,7 +10,7 @@ a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -321,23 +321,8 @@ def mamba_block(
     }
 
 
-def write_mamba_model(
-    path: Path,
-    vocab: Vocab,
-    mp: MambaParams,
-    seed: int,
-    weak_layers: int = 0,
-    weak_scale: float = 1.0,
-    n_layer: int | None = None,
-) -> Path:
-    """A random F32 Mamba model; `n_layer` cuts it after that many layers (its draft)."""
-    rng = np.random.default_rng(seed)
-    tensors = _embeddings(rng, vocab, mp.n_embd)
-    for layer in range(mp.n_layer):
-        weak = layer >= mp.n_layer - weak_layers
-        tensors |= mamba_block(rng, layer, mp, weak_scale if weak else 1.0)
-    n_layer = mp.n_layer if n_layer is None else n_layer
-    keys = {
+def mamba_keys(mp: MambaParams, n_layer: int) -> dict[str, GGUFValue]:
+    return {
         "context_length": _u32(mp.n_ctx_train),
         "embedding_length": _u32(mp.n_embd),
         "block_count": _u32(n_layer),
@@ -349,8 +334,6 @@ def write_mamba_model(
         "ssm.state_size": _u32(mp.d_state),
         "ssm.time_step_rank": _u32(mp.dt_rank),
     }
-    metadata = with_architecture(llama_metadata(HParams(), vocab), "mamba", keys)
-    return write_gguf(path, metadata, first_layers(tensors, n_layer))
 
 
 @dataclass(frozen=True)
@@ -396,25 +379,9 @@ def lfm2_block(
     }
 
 
-def write_lfm2_model(
-    path: Path,
-    vocab: Vocab,
-    lp: Lfm2Params,
-    seed: int,
-    weak_layers: int = 0,
-    weak_scale: float = 1.0,
-    n_layer: int | None = None,
-) -> Path:
-    """A random F32 LFM2 (hybrid) model; `n_layer` cuts it after that many layers."""
-    rng = np.random.default_rng(seed)
-    tensors = _embeddings(rng, vocab, lp.n_embd)
-    tensors["token_embd_norm.weight"] = tensors.pop("output_norm.weight")  # LFM2's name
-    for layer in range(lp.n_layer):
-        weak = layer >= lp.n_layer - weak_layers
-        tensors |= lfm2_block(rng, layer, lp, weak_scale if weak else 1.0)
-    n_layer = lp.n_layer if n_layer is None else n_layer
+def lfm2_keys(lp: Lfm2Params, n_layer: int) -> dict[str, GGUFValue]:
     kv_heads = [lp.n_head_kv if i in lp.attention_layers else 0 for i in range(n_layer)]
-    keys = {
+    return {
         "context_length": _u32(lp.n_ctx_train),
         "embedding_length": _u32(lp.n_embd),
         "block_count": _u32(n_layer),
@@ -425,17 +392,56 @@ def write_lfm2_model(
         "attention.layer_norm_rms_epsilon": GGUFValue(1e-5, GGUFValueType.FLOAT32),
         "shortconv.l_cache": _u32(lp.l_cache),
     }
-    metadata = with_architecture(llama_metadata(HParams(), vocab), "lfm2", keys)
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to write one architecture's random model: its name in GGUF, one layer's
+    tensors, its metadata keys, and its final norm's tensor name."""
+
+    arch: str
+    block: Callable[[np.random.Generator, int, Any, float], dict[str, np.ndarray]]
+    keys: Callable[[Any, int], dict[str, GGUFValue]]
+    output_norm: str = "output_norm.weight"
+
+
+MAMBA = Family("mamba", mamba_block, mamba_keys)
+LFM2 = Family("lfm2", lfm2_block, lfm2_keys, output_norm="token_embd_norm.weight")
+
+
+def write_family_model(
+    path: Path,
+    family: Family,
+    vocab: Vocab,
+    params: MambaParams | Lfm2Params,
+    seed: int,
+    weak_layers: int = 0,
+    weak_scale: float = 1.0,
+    n_layer: int | None = None,
+) -> Path:
+    """A random F32 model of `family`; its last weak_layers layers add only weak_scale of
+    a normal layer's output, and `n_layer` cuts it after that many layers (a draft)."""
+    rng = np.random.default_rng(seed)
+    tensors = _embeddings(rng, vocab, params.n_embd, family.output_norm)
+    for layer in range(params.n_layer):
+        weak = layer >= params.n_layer - weak_layers
+        tensors |= family.block(rng, layer, params, weak_scale if weak else 1.0)
+    n_layer = params.n_layer if n_layer is None else n_layer
+    metadata = with_architecture(
+        llama_metadata(HParams(), vocab), family.arch, family.keys(params, n_layer)
+    )
     return write_gguf(path, metadata, first_layers(tensors, n_layer))
 
 
-def _embeddings(rng: np.random.Generator, vocab: Vocab, n_embd: int) -> dict[str, np.ndarray]:
+def _embeddings(
+    rng: np.random.Generator, vocab: Vocab, n_embd: int, norm: str
+) -> dict[str, np.ndarray]:
     """Token embeddings, the output matrix and its norm, as llama_tensors makes them."""
     output = rng.standard_normal((len(vocab), n_embd), dtype=np.float32)
     output *= np.float32(4.0 / np.sqrt(n_embd))
     output[:FIRST_PIECE_ID] = 0.0
     return {
         "token_embd.weight": rng.standard_normal((len(vocab), n_embd), dtype=np.float32),
-        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        norm: np.ones(n_embd, dtype=np.float32),
         "output.weight": output,
     }

@@ -36,8 +36,8 @@ def run_cli(
 
 
 @pytest.mark.parametrize(
-    ("n", "text"), [(0, "0"), (999, "999"), (292_800, "292.8K"), (46_200_000, "46.2M"),
-                    (7_241_732_096, "7.2B")],
+    ("n", "text"),
+    [(0, "0"), (999, "999"), (292_800, "292.8K"), (46_200_000, "46.2M"), (7_241_732_096, "7.2B")],
 )
 def test_human_count(n: int, text: str) -> None:
     assert modelinfo.human_count(n) == text
@@ -82,10 +82,17 @@ def test_info_lines_when_piped(
     assert code == 0
     lines = out.splitlines()
     for line in (
-        "architecture: llama", "parameters: 292.8K", "layers: 5", "embedding width: 64",
-        "context length (trained): 2048", "vocabulary: llama, 512 tokens",
+        "architecture: llama",
+        "parameters: 292.8K",
+        "layers: 5",
+        "embedding width: 64",
+        "context length (trained): 2048",
+        "vocabulary: llama, 512 tokens",
         "BOS: 1 '<s>', added to prompts",
-        "EOS: 2 '</s>'", "quantization: F32", "file size: 1.2 MB", "chat template: no",
+        "EOS: 2 '</s>'",
+        "quantization: F32",
+        "file size: 1.2 MB",
+        "chat template: no",
     ):
         assert line in lines
 
@@ -180,8 +187,9 @@ def test_check_compatible_pair_exits_0(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code, out, _ = run_cli(["check", "-m", str(target_model), "-d", str(draft_model)],
-                           monkeypatch, capsys)
+    code, out, _ = run_cli(
+        ["check", "-m", str(target_model), "-d", str(draft_model)], monkeypatch, capsys
+    )
     assert code == 0
     assert "result: compatible" in out
     assert "problem:" not in out and "warning:" not in out
@@ -234,8 +242,9 @@ def test_check_bad_input_exits_2(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     missing = tmp_path / "missing.gguf"
-    code, out, err = run_cli(["check", "-m", str(target_model), "-d", str(missing)],
-                             monkeypatch, capsys)
+    code, out, err = run_cli(
+        ["check", "-m", str(target_model), "-d", str(missing)], monkeypatch, capsys
+    )
     assert (code, out) == (2, "")
     assert str(missing) in err
     code, _, err = run_cli(["check", "-m", str(target_model)], monkeypatch, capsys)

@@ -31,9 +31,9 @@ FAMILIES = ["mamba", "hybrid"]
 
 @pytest.fixture(scope="module")
 def pairs(
-    mamba_target: Path, mamba_draft: Path, hybrid_target: Path, hybrid_draft: Path
+    mamba_pair: tuple[Path, Path], hybrid_pair: tuple[Path, Path]
 ) -> dict[str, tuple[Path, Path]]:
-    return {"mamba": (mamba_target, mamba_draft), "hybrid": (hybrid_target, hybrid_draft)}
+    return {"mamba": mamba_pair, "hybrid": hybrid_pair}
 
 
 @pytest.fixture(scope="module")
