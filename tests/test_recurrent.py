@@ -66,7 +66,7 @@ def test_greedy_recurrent_target_with_lookup_and_attention_draft(
 
 def test_greedy_recurrent_draft_for_attention_target(target_model: Path, mamba_draft: Path) -> None:
     """The draft alone is recurrent: its own rejected tokens must be undone."""
-    with open_engine(target_model, mamba_draft, 4) as engine:
+    with open_engine(target_model, mamba_pair[1], 4) as engine:
         out, stats = generate(engine)
     assert out == target_only(target_model)
     assert stats.drafted > 0
