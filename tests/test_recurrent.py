@@ -64,7 +64,9 @@ def test_greedy_recurrent_target_with_lookup_and_attention_draft(
         assert stats.drafted > 0
 
 
-def test_greedy_recurrent_draft_for_attention_target(target_model: Path, mamba_draft: Path) -> None:
+def test_greedy_recurrent_draft_for_attention_target(
+    target_model: Path, mamba_pair: tuple[Path, Path]
+) -> None:
     """The draft alone is recurrent: its own rejected tokens must be undone."""
     with open_engine(target_model, mamba_pair[1], 4) as engine:
         out, stats = generate(engine)
