@@ -1,0 +1,91 @@
+"""specdec against llama.cpp's own `llama-speculative-simple`, side by side.
+
+Runs `specdec run` (with its defaults, or the flags given) and llama.cpp's tool on the
+same pair, prompt and length, alternating between them, and reports each side's
+median generation speed (tokens/s after the prompt, as both tools count it) and the
+ratio. llama.cpp's tool is run at every `--k` and `--fa` given, so that specdec's
+defaults meet llama.cpp at its best setting.
+
+Build the tool from the llama.cpp tree in llama-cpp-python's source distribution
+(`vendor/llama.cpp`): `cmake -B build -DLLAMA_CURL=OFF && cmake --build build
+--target llama-speculative-simple`. See benchmarks/README.md.
+
+    python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET -d DRAFT [--k 2,3,4] [--fa on,off]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+PROMPT = "Once upon a time, there was a little girl named Lily. She loved to"
+LLAMA_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+
+
+def specdec_speed(args: argparse.Namespace) -> float:
+    command = [
+        sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft,
+        "-p", args.prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
+        "--json", *args.specdec_flags,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(json.loads(result.stdout)["tokens_per_second"])
+
+
+def llama_speed(args: argparse.Namespace, k: int, fa: str) -> float:
+    command = [
+        args.llama, "-m", args.model, "-md", args.draft, "-p", args.prompt,
+        "-n", str(args.n), "--temp", "0", "-t", str(args.threads), "-td", str(args.threads),
+        "-fa", fa, "--spec-draft-n-max", str(k), "-c", "4096", *args.llama_flags,
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, check=True)
+    match = LLAMA_SPEED.search(result.stderr + result.stdout)
+    if not match:
+        sys.exit(f"no speed line in llama.cpp's output:\n{result.stderr[-2000:]}")
+    return float(match.group(3))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama", required=True, help="path of llama-speculative-simple")
+    parser.add_argument("-m", "--model", required=True, help="target GGUF")
+    parser.add_argument("-d", "--draft", required=True, help="draft GGUF")
+    parser.add_argument("-p", "--prompt", default=PROMPT)
+    parser.add_argument("-n", type=int, default=128, help="tokens to generate (128)")
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("--k", default="2,3,4,5", help="llama.cpp draft lengths to try")
+    parser.add_argument("--fa", default="on,off", help="llama.cpp -fa settings to try")
+    parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")
+    parser.add_argument("--specdec-flags", default="", help="extra flags for specdec run")
+    parser.add_argument("--llama-flags", default="", help="extra flags for llama.cpp")
+    parser.add_argument("--json", type=Path, help="write every timing here")
+    args = parser.parse_args()
+    args.specdec_flags, args.llama_flags = args.specdec_flags.split(), args.llama_flags.split()
+
+    llama_variants = [(int(k), fa) for k in args.k.split(",") for fa in args.fa.split(",")]
+    specdec_speed(args)  # warm-up: the first run may measure costs and -fa auto, once
+    runs: dict[str, list[float]] = {"specdec": []}
+    runs |= {f"llama k={k} -fa {fa}": [] for k, fa in llama_variants}
+    for _ in range(args.repeat):
+        runs["specdec"].append(specdec_speed(args))
+        for k, fa in llama_variants:
+            runs[f"llama k={k} -fa {fa}"].append(llama_speed(args, k, fa))
+            runs["specdec"].append(specdec_speed(args))  # alternate: drift hits both
+
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    best = max((name for name in medians if name != "specdec"), key=medians.__getitem__)
+    for name, value in medians.items():
+        spread = f"{min(runs[name]):.1f}-{max(runs[name]):.1f}"
+        print(f"{name:24} {value:8.1f} tok/s  (min-max {spread}, {len(runs[name])} runs)")
+    print(f"specdec / llama.cpp at its best ({best}): {medians['specdec'] / medians[best]:.3f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"runs": runs, "medians": medians, "best": best}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
