@@ -51,7 +51,7 @@ GREEDY = SamplingParams(temp=0.0)
 
 @dataclass(frozen=True)
 class Dist:
-    """A sparse distribution: `ids` ascending, `probs` summing to 1."""
+    """A distribution over the tokens it lists: `ids` ascending, `probs` summing to 1."""
 
     ids: np.ndarray
     probs: np.ndarray
