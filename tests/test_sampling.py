@@ -264,7 +264,9 @@ def strong_at_block_edges(n: int = QWEN2_VOCAB) -> tuple[np.ndarray, np.ndarray]
     return logits, strong
 
 
-def sampled_counts(d: Dist, strong: np.ndarray, n_samples: int, shift: int = 0):
+def sampled_counts(
+    d: Dist, strong: np.ndarray, n_samples: int, shift: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Counts in bins: each strong token alone, the rest in 20 runs of ids of about equal
     mass. `shift` moves every sample to a neighbouring id (the negative control)."""
     rng = np.random.default_rng(8)
