@@ -115,7 +115,8 @@ class ModelDrafter:
                 q = distribution(logits, self.sampling)
                 # q's maximum, not q of the sampled token: whether to stop must not depend
                 # on which token is drawn, or the kept drafts would no longer follow q.
-                confidence = float(q.probs.max())
+                # With every filter off, q spans the vocabulary: only if asked.
+                confidence = float(q.probs.max()) if keep_drafting else 1.0
                 token = q.sample(rng)
             if keep_drafting and not keep_drafting(i, confidence):
                 break

@@ -3,16 +3,33 @@
 A next-token distribution is kept sparse, as the token ids that survive the
 top-k / top-p / min-p filters and their probabilities. Speculative sampling
 (Leviathan et al. 2023, Chen et al. 2023) only needs p(x), q(x) and the
-residual max(0, p - q), and all of them live on those few ids, so nothing here
-allocates a vocabulary-sized array unless the filters are switched off.
+residual max(0, p - q), and all of them live on those few ids.
+
+At a real vocabulary (152k-262k tokens) nothing here sorts or walks the whole row
+one token at a time: finding the ids takes a few vectorised passes over the row,
+and only candidates near its top are sorted. With every filter off the
+distribution covers the whole vocabulary (`DenseDist`): a few vectorised passes
+build it and block sums sample it.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+BLOCK = 1024  # tokens per block sum of a DenseDist
+# From this vocabulary size on, the passes over a whole row (every token's exp) are
+# float32: half the memory traffic and a faster exp than float64, with a relative error
+# near 1e-7 that no sampling can detect. Smaller vocabularies (test models,
+# stories260K) take the plain path: every token a candidate, float64, one sort.
+LARGE_VOCAB = 4096
+# min-p keeps logits >= max + ln(min_p). Candidates are taken a little below that (the
+# comparison with a float32 row rounds), then tested exactly in float64.
+MIN_P_SLACK = 1e-3
 
 
 @dataclass(frozen=True)
@@ -34,7 +51,7 @@ GREEDY = SamplingParams(temp=0.0)
 
 @dataclass(frozen=True)
 class Dist:
-    """A sparse distribution: `ids` ascending, `probs` summing to 1."""
+    """A distribution over the tokens it lists: `ids` ascending, `probs` summing to 1."""
 
     ids: np.ndarray
     probs: np.ndarray
@@ -44,19 +61,86 @@ class Dist:
         """All mass on one token: what a deterministic drafter (n-gram) proposes."""
         return cls(np.array([token], dtype=np.int64), np.ones(1))
 
+    def find(self, tokens: np.ndarray) -> np.ndarray:
+        """The index in `ids` of each token, -1 where it is outside the support."""
+        idx = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
+        return np.where(self.ids[idx] == tokens, idx, -1)
+
     def prob(self, token: int) -> float:
         i = int(np.searchsorted(self.ids, token))
         return float(self.probs[i]) if i < len(self.ids) and self.ids[i] == token else 0.0
 
     def probs_at(self, tokens: np.ndarray) -> np.ndarray:
         """Probabilities of many tokens at once (0 where a token is outside the support)."""
-        idx = np.minimum(np.searchsorted(self.ids, tokens), len(self.ids) - 1)
-        return np.where(self.ids[idx] == tokens, self.probs[idx], 0.0)
+        idx = self.find(tokens)
+        return np.where(idx >= 0, self.probs[idx], 0.0)
 
     def sample(self, rng: np.random.Generator) -> int:
-        cdf = np.cumsum(self.probs)
-        i = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-        return int(self.ids[min(i, len(self.ids) - 1)])
+        return int(self.ids[_draw(self.probs, rng)])
+
+    def reweighted(self, weights: np.ndarray) -> Dist:
+        """The same support with probabilities proportional to `weights`."""
+        return Dist(self.ids, weights / weights.sum())
+
+
+@dataclass(frozen=True)
+class DenseDist(Dist):
+    """Every token of the vocabulary: `ids` is 0..n-1, so a token is its own index.
+
+    `blocks` holds the probability of each run of BLOCK consecutive tokens: drawing a
+    token takes two short cumulative sums (which block, then where in it) instead of
+    one over the whole vocabulary.
+    """
+
+    blocks: np.ndarray
+
+    @classmethod
+    def from_weights(cls, weights: np.ndarray) -> DenseDist:
+        """Normalise `weights`, one per token, non-negative: the array is taken over and
+        scaled in place."""
+        ids, starts = _dense_layout(len(weights))
+        blocks = np.add.reduceat(weights, starts).astype(np.float64)
+        total = blocks.sum()
+        weights *= 1.0 / total
+        return cls(ids, weights, blocks / total)
+
+    def find(self, tokens: np.ndarray) -> np.ndarray:
+        return np.asarray(tokens)
+
+    def prob(self, token: int) -> float:
+        return float(self.probs[token])
+
+    def sample(self, rng: np.random.Generator) -> int:
+        start = _draw(self.blocks, rng) * BLOCK
+        return start + _draw(self.probs[start : start + BLOCK], rng)
+
+    def reweighted(self, weights: np.ndarray) -> DenseDist:
+        return DenseDist.from_weights(weights)
+
+
+def _draw(weights: np.ndarray, rng: np.random.Generator) -> int:
+    """An index drawn with probability proportional to `weights` (never one of weight 0:
+    u * total < total, and side="right" steps over entries that add nothing)."""
+    cdf = np.cumsum(weights, dtype=np.float64)
+    return min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+
+
+@functools.cache
+def _dense_layout(n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ids 0..n-1 and the first id of each block, shared by every DenseDist of n."""
+    ids, starts = np.arange(n_vocab), np.arange(0, n_vocab, BLOCK)
+    ids.flags.writeable = starts.flags.writeable = False
+    return ids, starts
+
+
+_scratch_rows: dict[int, np.ndarray] = {}
+
+
+def _scratch(n_vocab: int) -> np.ndarray:
+    """A row-sized buffer kept across calls, for values used only within one call."""
+    if n_vocab not in _scratch_rows:
+        _scratch_rows[n_vocab] = np.empty(n_vocab, np.float32)
+    return _scratch_rows[n_vocab]
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> Dist:
@@ -64,36 +148,97 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> Dist:
 
     The order is llama.cpp's: top-k, then top-p and min-p measured on the untempered
     softmax, then temperature. Target and draft go through this same function, which is
-    what makes p and q comparable in the acceptance test.
+    what makes p and q comparable in the acceptance test. Ties are broken towards the
+    lower token id, as a stable sort of the row would.
     """
     n_vocab = logits.shape[0]
-    top_k = 0 < params.top_k < n_vocab
-    ids = top_k_ids(logits, params.top_k) if top_k else np.arange(n_vocab)
-    kept = logits[ids].astype(np.float64)
-
+    if 0 < params.top_k < n_vocab:
+        ids = top_k_ids(logits, params.top_k)
+        return _filtered(ids, logits[ids].astype(np.float64), params)
+    if n_vocab < LARGE_VOCAB:
+        return _filtered(np.arange(n_vocab), logits.astype(np.float64), params)
     if params.top_p < 1.0 or params.min_p > 0.0:
-        order = np.argsort(-kept, kind="stable")
-        ids, kept = ids[order], kept[order]
-        p = np.exp(kept - kept[0])
-        p /= p.sum()
-        n = len(p)
-        if params.top_p < 1.0:
-            # The smallest prefix whose mass reaches top_p (at least one token).
-            n = min(n, int(np.searchsorted(np.cumsum(p), params.top_p)) + 1)
-        if params.min_p > 0.0:
-            # p is sorted descending and p[0] is the maximum.
-            n = min(n, max(1, int(np.count_nonzero(p >= params.min_p * p[0]))))
-        ids, kept = ids[:n], kept[:n]
+        return _nucleus(logits, params)
+    return _softmax(logits, params.temp)
 
-    scaled = (kept - kept.max()) / params.temp
-    probs = np.exp(scaled)
-    probs /= probs.sum()
-    order = np.argsort(ids)
-    return Dist(ids[order].astype(np.int64), probs[order])
+
+def _softmax(logits: np.ndarray, temp: float) -> DenseDist:
+    """softmax(logits / temp) over the whole vocabulary, computed in the array it returns."""
+    weights = np.empty(len(logits), np.float32)
+    np.subtract(logits, logits.max(), out=weights)
+    weights *= 1.0 / temp
+    np.exp(weights, out=weights)
+    return DenseDist.from_weights(weights)
+
+
+def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
+    """top-p and min-p over the whole vocabulary (top-k off).
+
+    top-p needs the total mass of the row, one exp over every token (in a kept buffer);
+    the sort it needs is then confined to the candidates `_candidates` finds. The total
+    is float32, so top-p's cut can differ from an all-float64 one only where the mass
+    before it is within about 1e-7 of top_p.
+    """
+    top = float(logits.max())
+    weights = _scratch(len(logits))
+    np.subtract(logits, top, out=weights)
+    np.exp(weights, out=weights)
+    total = float(weights.sum())
+    ids = _candidates(logits, weights, top, total, params)
+    return _filtered(ids, logits[ids].astype(np.float64), params, total)
+
+
+def _candidates(
+    logits: np.ndarray, weights: np.ndarray, top: float, total: float, params: SamplingParams
+) -> np.ndarray:
+    """The ids (ascending) of every token above a logit cutoff low enough to hold all
+    that top-p and min-p keep.
+
+    Both keep a prefix of the tokens by decreasing logit. min-p's is bounded by a logit,
+    top + ln(min_p); top-p's is looked for within a margin of the top, widened until the
+    tokens above it hold top_p of the mass: usually a few hundred tokens, not the row.
+    """
+    floor = top + math.log(params.min_p) - MIN_P_SLACK if params.min_p > 0.0 else -math.inf
+    for margin in (4.0, 16.0, 64.0):
+        cutoff = max(top - margin, floor)
+        ids = np.flatnonzero(logits >= cutoff)
+        if cutoff == floor or weights[ids].sum() >= params.top_p * total:
+            return ids
+    return np.flatnonzero(logits >= floor)
+
+
+def _filtered(
+    ids: np.ndarray, kept: np.ndarray, params: SamplingParams, total: float | None = None
+) -> Dist:
+    """min-p and top-p over candidate tokens, then temperature.
+
+    `ids` ascending, `kept` their logits in float64. The filters measure probabilities
+    against `total`, the untempered mass of all the tokens they choose from in units of
+    the top token's (by default the candidates' own). min-p keeps a prefix of the tokens
+    by decreasing probability, so top-p's prefix, if shorter, lies within it.
+    """
+    top = kept.max()
+    mass = np.exp(kept - top)
+    if total is None:
+        total = float(mass.sum())
+    if params.min_p > 0.0:
+        # p_i >= min_p * p_max, and the top token's mass is exactly 1.
+        keep = mass >= params.min_p
+        ids, kept, mass = ids[keep], kept[keep], mass[keep]
+    if params.top_p < 1.0 and mass.sum() >= params.top_p * total:
+        # The smallest prefix by decreasing probability whose mass reaches top_p (at least
+        # one token); the stable sort of ascending ids puts the lower id first among ties.
+        order = np.argsort(-kept, kind="stable")
+        n = int(np.searchsorted(np.cumsum(mass[order]), params.top_p * total)) + 1
+        keep = np.sort(order[:n])
+        ids, kept = ids[keep], kept[keep]
+    probs = np.exp((kept - top) / params.temp)
+    return Dist(ids, probs / probs.sum())
 
 
 def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
-    """The ids of the k largest logits, in no particular order.
+    """The ids of the k largest logits, ascending; of equal logits at the edge, the lowest
+    ids (what a stable sort of the row keeps).
 
     Almost all of a vocabulary sits far below its best logits, so the k are looked for
     among the tokens within a margin of the maximum, and the margin widened only if
@@ -106,9 +251,13 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
             break
     else:
         near = np.arange(len(logits))
-    if len(near) > k:
-        near = near[np.argpartition(logits[near], len(near) - k)[len(near) - k :]]
-    return near
+    if len(near) == k:
+        return near
+    values = logits[near]
+    kth = np.partition(values, len(near) - k)[len(near) - k]
+    keep = values > kth
+    keep[np.flatnonzero(values == kth)[: k - np.count_nonzero(keep)]] = True
+    return near[keep]
 
 
 def residual(p: Dist, q: Dist) -> Dist:
@@ -117,11 +266,19 @@ def residual(p: Dist, q: Dist) -> Dist:
     Its support is inside p's, so p's ids are enough. If p and q are equal (a rejection
     then has probability zero, but floating point can still get here), fall back to p.
     """
-    r = np.maximum(p.probs - q.probs_at(p.ids), 0.0)
-    total = r.sum()
-    if total <= 0.0:
+    r = p.probs.copy()
+    if isinstance(p, DenseDist) and isinstance(q, DenseDist):
+        r -= q.probs
+    elif len(q.ids) < len(p.ids):  # q's few tokens looked up in p (an n-gram's point)
+        at = p.find(q.ids)
+        hit = at >= 0
+        r[at[hit]] -= q.probs[hit]
+    else:
+        r -= q.probs_at(p.ids)
+    np.maximum(r, 0.0, out=r)
+    if not r.any():
         return p
-    return Dist(p.ids, r / total)
+    return p.reweighted(r)
 
 
 def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:

@@ -3,20 +3,36 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DRAFT_HPARAMS, DRAFT_LAYERS, target_tensors
+from conftest import (
+    DRAFT_HPARAMS,
+    DRAFT_LAYERS,
+    SEED,
+    TARGET_HPARAMS,
+    WEAK_SCALE,
+    target_tensors,
+)
 from gguf import TokenType
-from ggufgen import Vocab, first_layers, llama_metadata, pad_rows, write_gguf
-from scipy.stats import chi2_contingency
+from ggufgen import (
+    Vocab,
+    first_layers,
+    llama_metadata,
+    llama_tensors,
+    pad_rows,
+    padded,
+    write_gguf,
+)
+from scipy.stats import chi2_contingency, chisquare
 
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Draft
 from specdec_cli.draftlength import FixedLength
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions
-from specdec_cli.sampling import GREEDY, SamplingParams
+from specdec_cli.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.stats import Stats
 
 PROMPT = "Once upon a time"
@@ -386,3 +402,63 @@ def test_draft_with_a_larger_vocabulary(
         out, stats = generate(engine)
     assert out == fixture_reference
     assert stats.accepted > 0
+
+
+QWEN2_VOCAB = 151_936
+
+
+@pytest.fixture(scope="module")
+def real_vocab_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
+    """The test pair with its vocabulary padded to Qwen2's 151,936 tokens, every output
+    row random: rows of logits the size and spread of a random-weight real model's."""
+    big = padded(vocab, QWEN2_VOCAB - len(vocab))
+    n_weak = TARGET_HPARAMS.n_layer - DRAFT_LAYERS
+    tensors = llama_tensors(TARGET_HPARAMS, big, SEED, n_weak, WEAK_SCALE)
+    folder = tmp_path_factory.mktemp("real-vocab")
+    return (
+        write_gguf(folder / "target.gguf", llama_metadata(TARGET_HPARAMS, big), tensors),
+        write_gguf(
+            folder / "draft.gguf",
+            llama_metadata(DRAFT_HPARAMS, big),
+            first_layers(tensors, DRAFT_LAYERS),
+        ),
+    )
+
+
+def test_sampling_over_a_whole_real_vocabulary(real_vocab_pair: tuple[Path, Path]) -> None:
+    """Every filter off at 151,936 tokens, so draft and target distributions span the
+    vocabulary: the first token of many speculative rounds follows the target's own
+    distribution after the prompt."""
+    target, draft = real_vocab_pair
+    params = SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    options = EngineOptions(
+        target,
+        draft,
+        n_ctx=64,
+        threads=1,
+        sampling=params,
+        flash_attn="off",
+        drafting=DraftOptions(k="3"),
+    )
+    with Engine(replace(options, draft=None)) as engine:
+        prompt = engine.tokenize(PROMPT)
+        engine.target.decode(prompt, 0)
+        p = distribution(engine.target.logits(0), params)
+    n_runs = 250
+    firsts, rejected = [], 0
+    with Engine(options) as engine:
+        for seed in range(n_runs):
+            stats = Stats()
+            rounds = engine.decoder.generate(prompt, 4, np.random.default_rng(seed), stats)
+            firsts.append(next(rounds).tokens[0])
+            rounds.close()
+            rejected += stats.accepted < stats.drafted
+    assert 0 < rejected < n_runs  # both the acceptance and the residual were used
+    # The tokens expected at least 5 times one by one, the rest pooled. (Drawing from the
+    # draft's distribution instead would fail this: it puts 0.14 where p has 0.04.)
+    likely = np.flatnonzero(p.probs * n_runs >= 5)
+    counts = [np.sum(np.equal(firsts, t)) for t in likely]
+    counts.append(len(firsts) - sum(counts))
+    expected = np.append(p.probs[likely], 0.0).astype(np.float64)
+    expected[-1] = 1.0 - expected.sum()
+    assert len(likely) >= 3 and chisquare(counts, expected * n_runs).pvalue > 1e-3

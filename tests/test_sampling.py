@@ -7,6 +7,7 @@ import pytest
 from scipy.stats import chisquare
 
 from specdec_cli.sampling import (
+    DenseDist,
     Dist,
     SamplingParams,
     distribution,
@@ -179,3 +180,150 @@ def test_identical_draft_is_always_accepted() -> None:
     p = random_dist(rng, params)
     draft = [p.sample(rng) for _ in range(4)]
     assert verify_sampled(draft, [p] * 4, lambda i: p, rng)[0] == 4
+
+
+# Real vocabularies: the fast paths (candidates near the top, float32 passes over the
+# row, DenseDist) only run at these sizes.
+QWEN2_VOCAB = 151_936
+GEMMA_VOCAB = 262_144
+FLAT_VOCAB = 32_768  # flat rows: the reference's top-p loop is quadratic in its cut
+
+SETTINGS = {
+    "defaults": SamplingParams(),
+    "top-k 0": SamplingParams(top_k=0),
+    "plain softmax": SamplingParams(top_k=0, top_p=1.0, min_p=0.0),
+    "top-p 0.8 top-k 20": SamplingParams(top_p=0.8, top_k=20),
+    "min-p 0.1": SamplingParams(min_p=0.1),
+    "top-p alone": SamplingParams(temp=1.3, top_k=0, top_p=0.8, min_p=0.0),
+    "min-p alone": SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=0.2),
+}
+
+
+def logits_row(kind: str, n: int, seed: int = 0) -> np.ndarray:
+    """A row of float32 logits of one of the shapes sampling has to get right."""
+    rng = np.random.default_rng(seed)
+    if kind == "equal":
+        return np.full(n, 1.5, np.float32)
+    if kind == "flat":
+        return rng.normal(0, 0.3, n).astype(np.float32)
+    if kind == "random model":  # a random-weight model's spread (tests/ggufgen.py)
+        return rng.normal(0, 4, n).astype(np.float32)
+    # A trained model's: a long normal tail and a few strong tokens above it.
+    row = rng.normal(0, 2.5, n)
+    row[rng.choice(n, 8, replace=False)] = row.max() + rng.uniform(-1, 5, 8)
+    if kind == "ties":  # many equal logits, at the top, at the top-k edge, everywhere
+        row = np.round(row * 4) / 4
+    if kind == "masked":  # tokens a model never emits, whole blocks of them included
+        row[rng.random(n) < 0.3] = -np.inf
+        row[5000:9000] = -np.inf
+    return row.astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("kind", "n"),
+    [
+        *[
+            (kind, n)
+            for kind in ("model", "random model", "ties", "masked")
+            for n in (QWEN2_VOCAB, GEMMA_VOCAB)
+        ],
+        ("flat", FLAT_VOCAB),
+        ("equal", FLAT_VOCAB),
+    ],
+)
+def test_distribution_matches_reference_at_real_sizes(kind: str, n: int) -> None:
+    """Every sampler setting, against the sort-everything reference. The filtered
+    distributions are float64 on their few tokens; the plain softmax is float32 over the
+    vocabulary, hence the relative tolerance."""
+    logits = logits_row(kind, n)
+    for name, params in SETTINGS.items():
+        d = distribution(logits, params)
+        expected = reference(logits.astype(np.float64), params)
+        got = dense(d, n)
+        assert np.all(np.diff(d.ids) > 0), name
+        np.testing.assert_array_equal(got > 0, expected > 0, err_msg=f"{name}: support")
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-12, err_msg=name)
+        assert abs(d.probs.sum() - 1.0) < 1e-5, name
+
+
+def test_top_k_ids_keep_the_lowest_ids_among_ties() -> None:
+    logits = np.zeros(5000, np.float32)
+    logits[[10, 4000, 4999]] = 2.0
+    np.testing.assert_array_equal(top_k_ids(logits, 5), [0, 1, 10, 4000, 4999])
+    np.testing.assert_array_equal(top_k_ids(np.ones(5000, np.float32), 3), [0, 1, 2])
+
+
+def strong_at_block_edges(n: int = QWEN2_VOCAB) -> tuple[np.ndarray, np.ndarray]:
+    """A whole-vocabulary distribution with strong tokens where block arithmetic can slip
+    (first and last ids, either side of block boundaries) and a masked stretch."""
+    rng = np.random.default_rng(4)
+    logits = rng.normal(0, 1, n).astype(np.float32)
+    strong = np.array([0, 1023, 1024, 2047, 2048, 77777, n - 1])
+    logits[strong] = rng.uniform(8.5, 9.5, len(strong))
+    logits[3072:9000] = -np.inf
+    return logits, strong
+
+
+def sampled_counts(
+    d: Dist, strong: np.ndarray, n_samples: int, shift: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Counts in bins: each strong token alone, the rest in 20 runs of ids of about equal
+    mass. `shift` moves every sample to a neighbouring id (the negative control)."""
+    rng = np.random.default_rng(8)
+    n = len(d.ids)
+    samples = np.array([(d.sample(rng) + shift) % n for _ in range(n_samples)])
+    probs = dense(d, n)
+    rest = np.ones(n, bool)
+    rest[strong] = False
+    edges = np.searchsorted(
+        np.cumsum(np.where(rest, probs, 0.0)), np.linspace(0, 1, 21)[1:-1] * probs[rest].sum()
+    )
+    bin_of = np.searchsorted(edges, np.arange(n), side="right") + len(strong)
+    bin_of[strong] = np.arange(len(strong))
+    counts = np.bincount(bin_of[samples], minlength=len(strong) + 20)
+    expected = np.bincount(bin_of, weights=probs, minlength=len(strong) + 20) * n_samples
+    return samples, counts, expected
+
+
+def test_dense_sampling_matches_its_probabilities() -> None:
+    logits, strong = strong_at_block_edges()
+    d = distribution(logits, SETTINGS["plain softmax"])
+    assert isinstance(d, DenseDist)
+    samples, counts, expected = sampled_counts(d, strong, N_SAMPLES)
+    assert not np.any((samples >= 3072) & (samples < 9000)), "sampled a masked token"
+    assert chisquare(counts, expected).pvalue > P_VALUE
+
+
+def test_dense_chi_square_detects_an_off_by_one() -> None:
+    """Negative control: the same samples moved to the next id."""
+    logits, strong = strong_at_block_edges()
+    d = distribution(logits, SETTINGS["plain softmax"])
+    _, counts, expected = sampled_counts(d, strong, N_SAMPLES // 4, shift=1)
+    assert chisquare(counts, expected).pvalue < P_VALUE
+
+
+@pytest.mark.parametrize(
+    ("p_setting", "q_setting"),
+    [
+        ("plain softmax", "plain softmax"),  # the model drafter, every filter off
+        ("plain softmax", "point"),  # an n-gram's guess against a whole-vocabulary p
+        ("top-k 0", "top-k 0"),
+        ("top-k 0", "point"),
+        ("top-p alone", "plain softmax"),
+    ],
+)
+def test_residual_at_real_size(p_setting: str, q_setting: str) -> None:
+    n = QWEN2_VOCAB
+    logits = logits_row("random model", n, seed=1)
+    p = distribution(logits, SETTINGS[p_setting])
+    if q_setting == "point":
+        q = Dist.point(int(p.ids[np.argsort(p.probs)[-2]]))  # p's second most likely
+    else:
+        noise = np.random.default_rng(2).normal(0, 0.5, n).astype(np.float32)
+        q = distribution(logits + noise, SETTINGS[q_setting])
+    expected = np.maximum(dense(p, n) - dense(q, n), 0.0)
+    expected /= expected.sum()
+    r = residual(p, q)
+    assert type(r) is type(p)
+    assert np.abs(dense(r, n) - expected).sum() < 1e-5  # total variation
+    assert not np.any(dense(r, n)[expected == 0]), "residual outside max(0, p - q)"
