@@ -30,6 +30,7 @@ def open_engine(
     sampling: SamplingParams = GREEDY,
     n_ctx: int = 256,
     n_batch: int = 2048,
+    flash_attn: str = "auto",
 ) -> Engine:
     """`draft` is a model file, "ngram", or None."""
     return Engine(
@@ -40,6 +41,7 @@ def open_engine(
             n_ctx=n_ctx,
             n_batch=n_batch,
             threads=1,
+            flash_attn=flash_attn,
             sampling=sampling,
             drafting=DraftOptions(k=str(k)),
         )
@@ -47,10 +49,15 @@ def open_engine(
 
 
 def generate(
-    engine: Engine, n_predict: int = 64, seed: int = 0, decoder: Decoder | None = None
+    engine: Engine,
+    n_predict: int = 64,
+    seed: int = 0,
+    decoder: Decoder | None = None,
+    prompt: list[int] | None = None,
 ) -> tuple[list[int], Stats]:
+    """Generated tokens (without the end-of-generation token) for `prompt` (default: PROMPT)."""
     stats = Stats()
-    prompt = engine.tokenize(PROMPT)
+    prompt = engine.tokenize(PROMPT) if prompt is None else prompt
     out: list[int] = []
     rng = np.random.default_rng(seed)
     for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, stats):
