@@ -222,14 +222,20 @@ def real_vocab_pair(
 
 
 @pytest.fixture(scope="session")
-def q8_target_model(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> Path:
-    """The target with every matrix quantized to Q8_0 (as llama-quantize's Q8_0 does)."""
-    return write_gguf(
-        tmp_path_factory.mktemp("q8") / "target-q8_0.gguf",
-        llama_metadata(TARGET_HPARAMS, vocab)
-        | llama_keys(TARGET_HPARAMS, LlamaFileType.MOSTLY_Q8_0),
-        quantized(target_tensors(vocab)),
+def q8_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
+    """The target and draft with every matrix quantized to Q8_0 (as llama-quantize's
+    Q8_0 does; the norms stay F32)."""
+    folder = tmp_path_factory.mktemp("q8_0")
+    tensors = target_tensors(vocab)
+    target, draft = (
+        write_gguf(
+            folder / name,
+            llama_metadata(hparams, vocab, file_type=LlamaFileType.MOSTLY_Q8_0),
+            quantized(first_layers(tensors, hparams.n_layer)),
+        )
+        for name, hparams in (("target.gguf", TARGET_HPARAMS), ("draft.gguf", DRAFT_HPARAMS))
     )
+    return target, draft
 
 
 def family_pair(

@@ -241,13 +241,18 @@ def llama_keys(
     }
 
 
-def llama_metadata(hp: HParams, vocab: Vocab, eos_token_id: int = EOS_ID) -> dict[str, GGUFValue]:
+def llama_metadata(
+    hp: HParams,
+    vocab: Vocab,
+    eos_token_id: int = EOS_ID,
+    file_type: LlamaFileType = LlamaFileType.ALL_F32,
+) -> dict[str, GGUFValue]:
     """The GGUF key/values llama.cpp needs to load a llama model with this vocabulary."""
 
     def array(values: list[Any], item_type: GGUFValueType) -> GGUFValue:
         return GGUFValue(values, GGUFValueType.ARRAY, item_type)
 
-    return llama_keys(hp) | {
+    return llama_keys(hp, file_type) | {
         "tokenizer.ggml.model": GGUFValue("llama", GGUFValueType.STRING),
         "tokenizer.ggml.tokens": array(vocab.tokens, GGUFValueType.STRING),
         "tokenizer.ggml.scores": array(vocab.scores, GGUFValueType.FLOAT32),

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from conftest import VOCAB_FAMILIES, real_vocab_tensors, write_real_vocab_pair
 from ggufgen import RealVocab
-from test_decode import PROMPT, generate, open_engine
+from test_decode import PROMPT, generate, llama_cpp_greedy, open_engine
 
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import ModelDrafter
@@ -163,6 +163,21 @@ def test_greedy_speculative_equals_target_only(
         text, _ = streamed(engine, N_TOKENS, decoder=decoder)
         whole = b"".join(engine.model.piece(t) for t in out).decode(errors="replace")
         assert text == whole  # streamed as accepted == detokenized at once
+
+
+@pytest.mark.parametrize("family", LARGEST)
+def test_target_only_matches_llama_cpp_python_greedy(
+    real_vocab_pair: Callable[[str], tuple[Path, Path]],
+    pair_engine: Callable[[str], Engine],
+    reference: Callable[[str], list[int]],
+    family: str,
+) -> None:
+    """The outside reference at 152k and 262k tokens, with the flash attention setting
+    the engine chose (-fa auto)."""
+    engine = pair_engine(family)
+    prompt = engine.tokenize(PROMPT)
+    target = real_vocab_pair(family)[0]
+    assert reference(family) == llama_cpp_greedy(target, prompt, N_TOKENS, engine.flash_attn.used)
 
 
 def test_sampled_run_with_a_152k_vocabulary(pair_engine: Callable[[str], Engine]) -> None:
