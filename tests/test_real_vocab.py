@@ -29,7 +29,6 @@ from specdec_cli.textstream import TextStream
 N_TOKENS = 32
 Opened = TypeVar("Opened", Model, Engine)
 LARGEST = ("qwen2", "gemma-4")  # 152k and 262k tokens
-GENERATING = ("qwen2", "gemma-4", "llama-bpe")  # the families with chat models' EOG tokens
 # Emoji (one with a zero-width joiner), CJK, accents: byte-level BPE and byte fallback
 # split these characters over several tokens.
 MULTIBYTE_TEXT = "Hello 世界! 🦙🚀 naïve café — 日本語のテキスト 😶\u200d🌫️ ok"
@@ -282,10 +281,12 @@ EXPECTED_EOG = {  # among llama_vocab_is_eog's tokens, the ones each family's ch
     "qwen2": ("<|im_end|>", "<|endoftext|>"),
     "gemma-4": ("<turn|>", "<eos>"),
     "llama-bpe": ("<|eot_id|>", "<|end_of_text|>"),
+    "phi-3": ("<|end|>", "<|endoftext|>"),
+    "llama-spm": ("</s>",),
 }
 
 
-@pytest.mark.parametrize("family", GENERATING)
+@pytest.mark.parametrize("family", VOCAB_FAMILIES)
 def test_every_end_of_generation_token_ends_the_generation(
     eog_models: Callable[[str], tuple[Path, list[EogCase]]],
     vocab_model: Callable[[str], Model],
