@@ -2,7 +2,9 @@
 
 Tests build their own models with this (nothing is downloaded), and
 benchmarks/make_wide_target.py imports it for the same two jobs: making random
-llama layers and writing a GGUF file from metadata plus tensors.
+llama layers and writing a GGUF file from metadata plus tensors. A model can also
+carry a real family's tokenizer: read_real_vocab takes the `tokenizer.*` records of
+another GGUF file (a vocabulary-only one will do) and write_gguf copies them as they are.
 
 Tensor arrays use numpy's row-major shapes, the reverse of ggml's `ne` order:
 a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
@@ -316,7 +318,7 @@ def read_real_vocab(path: Path) -> RealVocab:
     too slow for 262k tokens and half a million merges. This reads one length per string.
     """
     data = path.read_bytes()
-    offset, kept, count, types = _FIRST_RECORD, [], 0, None
+    offset, kept, types = _FIRST_RECORD, [], None
     for _ in range(_U64.unpack_from(data, _KV_COUNT_OFFSET)[0]):
         start = offset
         key_length = _U64.unpack_from(data, offset)[0]
@@ -326,19 +328,18 @@ def read_real_vocab(path: Path) -> RealVocab:
         offset = _skip_value(data, value_start, value_type)
         if key.startswith("tokenizer."):
             kept.append(data[start:offset])
-            count += 1
         if key == "tokenizer.ggml.token_type":  # an array: item type, length, items
             n_tokens = _U64.unpack_from(data, value_start + 4)[0]
             types = np.frombuffer(data, np.int32, n_tokens, value_start + 12).copy()
     if types is None:
         raise ValueError(f"{path} has no tokenizer.ggml.token_type")
-    return RealVocab(RawRecords(b"".join(kept), count), types)
+    return RealVocab(RawRecords(b"".join(kept), len(kept)), types)
 
 
 def _skip_value(data: bytes, offset: int, value_type: int) -> int:
     """The offset just after the value of this type that starts at `offset`."""
     if value_type in _FIXED_SIZES:
-        return offset + _FIXED_SIZES[GGUFValueType(value_type)]
+        return offset + _FIXED_SIZES[value_type]
     if value_type == GGUFValueType.STRING:
         return offset + 8 + _U64.unpack_from(data, offset)[0]
     if value_type != GGUFValueType.ARRAY:
@@ -346,7 +347,7 @@ def _skip_value(data: bytes, offset: int, value_type: int) -> int:
     item_type, n = _U32.unpack_from(data, offset)[0], _U64.unpack_from(data, offset + 4)[0]
     offset += 12
     if item_type in _FIXED_SIZES:
-        return offset + n * _FIXED_SIZES[GGUFValueType(item_type)]
+        return offset + n * _FIXED_SIZES[item_type]
     if item_type != GGUFValueType.STRING:
         raise ValueError(f"unexpected array of GGUF type {item_type} at byte {offset}")
     for _ in range(n):  # each string: its length (u64), then its bytes

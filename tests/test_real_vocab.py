@@ -88,12 +88,13 @@ def reference(pair_engine: Callable[[str], Engine]) -> Callable[[str], list[int]
 def tokenizer_cases(path: Path) -> dict[str, list[int]]:
     """llama.cpp's tests/test-tokenizer-0 cases beside a vocabulary file, read as that test
     reads them: `.inp` holds the inputs, separated by lines `__ggml_vocab_test__` (the
-    file may end with one); line i of `.out` holds input i's token ids."""
+    file may end with one); line i of `.out` holds input i's token ids. A repeated input
+    counts once, as in that test's map."""
     inputs = Path(f"{path}.inp").read_bytes().decode().split("\n__ggml_vocab_test__\n")
     if inputs[-1] == "":
         inputs.pop()
-    outputs = Path(f"{path}.out").read_bytes().decode().split("\n")[: len(inputs)]
-    assert len(outputs) == len(inputs), f"{path}.out has fewer lines than {path}.inp has cases"
+    outputs = Path(f"{path}.out").read_bytes().decode().splitlines()
+    assert len(outputs) == len(inputs), f"{path}: as many lines in .out as cases in .inp"
     return {text: [int(t) for t in ids.split()] for text, ids in zip(inputs, outputs, strict=True)}
 
 
@@ -133,7 +134,7 @@ def test_streamed_pieces_are_the_text(vocab_model: Callable[[str], Model], famil
     assert "".join(chunks).removeprefix(" ") == MULTIBYTE_TEXT
     assert "\ufffd" not in "".join(chunks)  # no character was shown before it was complete
     # A stop string from inside one token ("世界" is one in most of these vocabularies)
-    # to inside a character that several tokens share (the llama in byte-level BPE).
+    # to inside a character that several tokens share (the llama emoji, in byte-level BPE).
     stop = "界! 🦙"
     cut = stream_pieces(pieces, stop=(stop,))
     assert "".join(cut) == b"".join(pieces).decode().split(stop)[0]
@@ -180,7 +181,7 @@ def test_target_only_matches_llama_cpp_python_greedy(
 
 
 def test_sampled_run_with_a_152k_vocabulary(pair_engine: Callable[[str], Engine]) -> None:
-    """llama.cpp's default sampling settings; each row's distribution is 152k wide."""
+    """llama.cpp's default sampling settings, over logits rows 152k wide."""
     engine = pair_engine("qwen2")
     sampling = SamplingParams()
     drafter = ModelDrafter(engine.draft_ctx, sampling, engine.model.n_vocab)
