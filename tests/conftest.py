@@ -5,12 +5,14 @@ Each file takes milliseconds to write; they live under pytest's tmp_path_factory
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import LlamaFileType
 from ggufgen import (
     EOS_ID,
     LFM2,
@@ -19,12 +21,17 @@ from ggufgen import (
     HParams,
     Lfm2Params,
     MambaParams,
+    RealVocab,
     Vocab,
+    f16_vocab_matrices,
     first_layers,
+    llama_keys,
     llama_metadata,
     llama_tensors,
     pad_rows,
     padded,
+    quantized,
+    read_real_vocab,
     spm_vocab,
     write_family_model,
     write_gguf,
@@ -157,6 +164,78 @@ def vocab_file() -> Callable[[str], Path]:
         return path
 
     return find
+
+
+# Tiny in everything but the vocabulary: the vocabulary-sized matrices dominate the file.
+REAL_VOCAB_HPARAMS = HParams(n_embd=32, n_layer=4, n_head=4, n_head_kv=2, n_ff=64, n_ctx_train=256)
+
+
+@pytest.fixture(scope="session")
+def real_vocab(vocab_file: Callable[[str], Path]) -> Callable[[str], RealVocab]:
+    """real_vocab("qwen2"): that family's real tokenizer, read once per session."""
+    return functools.cache(lambda family: read_real_vocab(vocab_file(family)))
+
+
+def real_vocab_tensors(vocab: RealVocab) -> dict[str, np.ndarray]:
+    """Random weights for REAL_VOCAB_HPARAMS; the last layers weak, as in target_tensors."""
+    weak_layers = REAL_VOCAB_HPARAMS.n_layer - DRAFT_LAYERS
+    return llama_tensors(REAL_VOCAB_HPARAMS, vocab, SEED, weak_layers, WEAK_SCALE)
+
+
+def write_real_vocab_pair(
+    folder: Path, vocab: RealVocab, tensors: Mapping[str, np.ndarray]
+) -> tuple[Path, Path]:
+    """A llama target carrying a real tokenizer, its vocabulary-sized matrices F16, and
+    its first DRAFT_LAYERS layers as draft."""
+    f16 = f16_vocab_matrices(tensors)
+    target, draft = (
+        write_gguf(
+            folder / name,
+            llama_keys(replace(REAL_VOCAB_HPARAMS, n_layer=n_layer), LlamaFileType.MOSTLY_F16),
+            first_layers(f16, n_layer),
+            vocab.records,
+        )
+        for name, n_layer in (
+            ("target.gguf", REAL_VOCAB_HPARAMS.n_layer),
+            ("draft.gguf", DRAFT_LAYERS),
+        )
+    )
+    return target, draft
+
+
+@pytest.fixture(scope="session")
+def real_vocab_pair(
+    tmp_path_factory: pytest.TempPathFactory, real_vocab: Callable[[str], RealVocab]
+) -> Callable[[str], tuple[Path, Path]]:
+    """real_vocab_pair("gemma-4") -> (target, draft): random llama models (n_embd 32, 4
+    layers, the last two weak; the draft is the first two) that carry the family's real
+    tokenizer from ../shared/vocab, so llama.cpp tokenizes, detokenizes and ends
+    generations as for the real family, and every logits row is vocabulary-sized."""
+
+    @functools.cache
+    def make(family: str) -> tuple[Path, Path]:
+        vocab = real_vocab(family)
+        folder = tmp_path_factory.mktemp(f"vocab-{family}")
+        return write_real_vocab_pair(folder, vocab, real_vocab_tensors(vocab))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def q8_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple[Path, Path]:
+    """The target and draft with every matrix quantized to Q8_0 (as llama-quantize's
+    Q8_0 does; the norms stay F32)."""
+    folder = tmp_path_factory.mktemp("q8_0")
+    tensors = target_tensors(vocab)
+    target, draft = (
+        write_gguf(
+            folder / name,
+            llama_metadata(hparams, vocab, file_type=LlamaFileType.MOSTLY_Q8_0),
+            quantized(first_layers(tensors, hparams.n_layer)),
+        )
+        for name, hparams in (("target.gguf", TARGET_HPARAMS), ("draft.gguf", DRAFT_HPARAMS))
+    )
+    return target, draft
 
 
 def family_pair(

@@ -2,7 +2,9 @@
 
 Tests build their own models with this (nothing is downloaded), and
 benchmarks/make_wide_target.py imports it for the same two jobs: making random
-llama layers and writing a GGUF file from metadata plus tensors.
+llama layers and writing a GGUF file from metadata plus tensors. A model can also
+carry a real family's tokenizer: read_real_vocab takes the `tokenizer.*` records of
+another GGUF file (a vocabulary-only one will do) and write_gguf copies them as they are.
 
 Tensor arrays use numpy's row-major shapes, the reverse of ggml's `ne` order:
 a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
@@ -10,13 +12,22 @@ a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
-from gguf import GGUFValue, GGUFValueType, GGUFWriter, TokenType
+from gguf import (
+    GGMLQuantizationType,
+    GGUFValue,
+    GGUFValueType,
+    GGUFWriter,
+    LlamaFileType,
+    TokenType,
+)
+from gguf.quants import quantize
 
 # The ids every SentencePiece llama vocabulary here uses (same as stories260K).
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
@@ -47,6 +58,15 @@ class Vocab:
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+
+class Tokenizer(Protocol):
+    """What the weights need to know of a vocabulary: its size and each token's type."""
+
+    @property
+    def types(self) -> Any: ...  # a TokenType per token id (a list or an int32 array)
+
+    def __len__(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -151,7 +171,7 @@ def llama_block(
 
 def llama_tensors(
     hp: HParams,
-    vocab: Vocab,
+    vocab: Tokenizer,
     seed: int,
     weak_layers: int = 0,
     weak_scale: float = 1.0,
@@ -159,21 +179,14 @@ def llama_tensors(
 ) -> dict[str, np.ndarray]:
     """Random weights for a whole model; the last weak_layers layers get out_scale=weak_scale.
 
-    Output rows of special and byte tokens are zero (logit 0, far below the
-    winners), so greedy generation yields word pieces and never the default EOS.
-    logit_scale sets the spread of the logits: about 4 makes the greedy choice
-    clear (top-1 probability often above 0.3) without being one-hot.
+    Output rows of tokens that are not normal text pieces (special, byte, unused) are
+    zero (logit 0, far below the winners), so greedy generation yields text pieces and
+    never an end-of-generation token. logit_scale sets the spread of the logits: about
+    4 makes the greedy choice clear (top-1 probability often above 0.3) without being
+    one-hot.
     """
     rng = np.random.default_rng(seed)
-    n_vocab = len(vocab)
-    output = rng.standard_normal((n_vocab, hp.n_embd), dtype=np.float32)
-    output *= np.float32(logit_scale / np.sqrt(hp.n_embd))
-    output[:FIRST_PIECE_ID] = 0.0
-    tensors = {
-        "token_embd.weight": rng.standard_normal((n_vocab, hp.n_embd), dtype=np.float32),
-        "output_norm.weight": np.ones(hp.n_embd, dtype=np.float32),
-        "output.weight": output,
-    }
+    tensors = _embeddings(rng, vocab, hp.n_embd, "output_norm.weight", logit_scale)
     for layer in range(hp.n_layer):
         weak = layer >= hp.n_layer - weak_layers
         tensors |= llama_block(
@@ -206,55 +219,205 @@ def pad_rows(tensors: Mapping[str, np.ndarray], n_pad: int) -> dict[str, np.ndar
     return out
 
 
-def llama_metadata(hp: HParams, vocab: Vocab, eos_token_id: int = EOS_ID) -> dict[str, GGUFValue]:
-    """The GGUF key/values llama.cpp needs to load a llama model with this vocabulary."""
+def _u32(value: int) -> GGUFValue:
+    return GGUFValue(value, GGUFValueType.UINT32)
 
-    def u32(value: int) -> GGUFValue:
-        return GGUFValue(value, GGUFValueType.UINT32)
+
+def llama_keys(
+    hp: HParams, file_type: LlamaFileType = LlamaFileType.ALL_F32
+) -> dict[str, GGUFValue]:
+    """The architecture's GGUF key/values: what llama.cpp needs to build a llama model of
+    this shape (the tokenizer's keys come on top)."""
+    return {
+        "general.architecture": GGUFValue("llama", GGUFValueType.STRING),
+        "general.name": GGUFValue("specdec-test", GGUFValueType.STRING),
+        "general.file_type": _u32(file_type),
+        "llama.context_length": _u32(hp.n_ctx_train),
+        "llama.embedding_length": _u32(hp.n_embd),
+        "llama.block_count": _u32(hp.n_layer),
+        "llama.feed_forward_length": _u32(hp.n_ff),
+        "llama.attention.head_count": _u32(hp.n_head),
+        "llama.attention.head_count_kv": _u32(hp.n_head_kv),
+        "llama.rope.dimension_count": _u32(hp.n_embd // hp.n_head),
+        "llama.attention.layer_norm_rms_epsilon": GGUFValue(1e-5, GGUFValueType.FLOAT32),
+    }
+
+
+def llama_metadata(
+    hp: HParams,
+    vocab: Vocab,
+    eos_token_id: int = EOS_ID,
+    file_type: LlamaFileType = LlamaFileType.ALL_F32,
+) -> dict[str, GGUFValue]:
+    """The GGUF key/values llama.cpp needs to load a llama model with this vocabulary."""
 
     def array(values: list[Any], item_type: GGUFValueType) -> GGUFValue:
         return GGUFValue(values, GGUFValueType.ARRAY, item_type)
 
-    return {
-        "general.architecture": GGUFValue("llama", GGUFValueType.STRING),
-        "general.name": GGUFValue("specdec-test", GGUFValueType.STRING),
-        "general.file_type": u32(0),  # all F32
-        "llama.context_length": u32(hp.n_ctx_train),
-        "llama.embedding_length": u32(hp.n_embd),
-        "llama.block_count": u32(hp.n_layer),
-        "llama.feed_forward_length": u32(hp.n_ff),
-        "llama.attention.head_count": u32(hp.n_head),
-        "llama.attention.head_count_kv": u32(hp.n_head_kv),
-        "llama.rope.dimension_count": u32(hp.n_embd // hp.n_head),
-        "llama.attention.layer_norm_rms_epsilon": GGUFValue(1e-5, GGUFValueType.FLOAT32),
+    return llama_keys(hp, file_type) | {
         "tokenizer.ggml.model": GGUFValue("llama", GGUFValueType.STRING),
         "tokenizer.ggml.tokens": array(vocab.tokens, GGUFValueType.STRING),
         "tokenizer.ggml.scores": array(vocab.scores, GGUFValueType.FLOAT32),
         "tokenizer.ggml.token_type": array(vocab.types, GGUFValueType.INT32),
-        "tokenizer.ggml.unknown_token_id": u32(UNK_ID),
-        "tokenizer.ggml.bos_token_id": u32(BOS_ID),
-        "tokenizer.ggml.eos_token_id": u32(eos_token_id),
+        "tokenizer.ggml.unknown_token_id": _u32(UNK_ID),
+        "tokenizer.ggml.bos_token_id": _u32(BOS_ID),
+        "tokenizer.ggml.eos_token_id": _u32(eos_token_id),
         "tokenizer.ggml.add_bos_token": GGUFValue(True, GGUFValueType.BOOL),
         "tokenizer.ggml.add_eos_token": GGUFValue(False, GGUFValueType.BOOL),
     }
 
 
+class RawRecords(NamedTuple):
+    """GGUF key/value records exactly as a file stores them, and how many there are."""
+
+    data: bytes
+    count: int
+
+
+NO_RECORDS = RawRecords(b"", 0)
+
+
+@dataclass(frozen=True)
+class RealVocab:
+    """A real model family's tokenizer, read from a GGUF file (a vocabulary-only one will
+    do): its `tokenizer.*` records (vocabulary, merges or scores, token types, special
+    tokens, flags, pre-tokenizer, chat template), copied byte for byte into the models
+    written with it, and the token types their weights need."""
+
+    records: RawRecords
+    types: np.ndarray  # int32 TokenType per token id
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+
+# GGUF value types (gguf.GGUFValueType) of a fixed size, in bytes.
+_FIXED_SIZES = {
+    GGUFValueType.UINT8: 1,
+    GGUFValueType.INT8: 1,
+    GGUFValueType.UINT16: 2,
+    GGUFValueType.INT16: 2,
+    GGUFValueType.UINT32: 4,
+    GGUFValueType.INT32: 4,
+    GGUFValueType.FLOAT32: 4,
+    GGUFValueType.BOOL: 1,
+    GGUFValueType.UINT64: 8,
+    GGUFValueType.INT64: 8,
+    GGUFValueType.FLOAT64: 8,
+}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# A GGUF file starts: magic (u32), version (u32), tensor count (u64), key/value count (u64).
+_KV_COUNT_OFFSET = 16
+_FIRST_RECORD = 24
+
+
+def read_real_vocab(path: Path) -> RealVocab:
+    """The `tokenizer.*` records of a GGUF file, found by walking the records' lengths.
+
+    Not gguf.GGUFReader: it makes Python objects for every element of every array, far
+    too slow for 262k tokens and half a million merges. This reads one length per string.
+    """
+    data = path.read_bytes()
+    offset, kept, types = _FIRST_RECORD, [], None
+    for _ in range(_U64.unpack_from(data, _KV_COUNT_OFFSET)[0]):
+        start = offset
+        key_length = _U64.unpack_from(data, offset)[0]
+        key = data[offset + 8 : offset + 8 + key_length].decode()
+        value_type = _U32.unpack_from(data, offset + 8 + key_length)[0]
+        value_start = offset + 12 + key_length
+        offset = _skip_value(data, value_start, value_type)
+        if key.startswith("tokenizer."):
+            kept.append(data[start:offset])
+        if key == "tokenizer.ggml.token_type":  # an array: item type, length, items
+            n_tokens = _U64.unpack_from(data, value_start + 4)[0]
+            types = np.frombuffer(data, np.int32, n_tokens, value_start + 12).copy()
+    if types is None:
+        raise ValueError(f"{path} has no tokenizer.ggml.token_type")
+    return RealVocab(RawRecords(b"".join(kept), len(kept)), types)
+
+
+def _skip_value(data: bytes, offset: int, value_type: int) -> int:
+    """The offset just after the value of this type that starts at `offset`."""
+    if value_type in _FIXED_SIZES:
+        return offset + _FIXED_SIZES[value_type]
+    if value_type == GGUFValueType.STRING:
+        return offset + 8 + _U64.unpack_from(data, offset)[0]
+    if value_type != GGUFValueType.ARRAY:
+        raise ValueError(f"unknown GGUF value type {value_type} at byte {offset}")
+    item_type, n = _U32.unpack_from(data, offset)[0], _U64.unpack_from(data, offset + 4)[0]
+    offset += 12
+    if item_type in _FIXED_SIZES:
+        return offset + n * _FIXED_SIZES[item_type]
+    if item_type != GGUFValueType.STRING:
+        raise ValueError(f"unexpected array of GGUF type {item_type} at byte {offset}")
+    for _ in range(n):  # each string: its length (u64), then its bytes
+        offset += 8 + _U64.unpack_from(data, offset)[0]
+    return offset
+
+
+class Quantized(NamedTuple):
+    """A weight in a quantized ggml type: the bytes gguf.quants.quantize makes of it."""
+
+    data: np.ndarray
+    qtype: GGMLQuantizationType
+
+
+def quantized(
+    tensors: Mapping[str, np.ndarray], qtype: GGMLQuantizationType = GGMLQuantizationType.Q8_0
+) -> dict[str, np.ndarray | Quantized]:
+    """Every matrix quantized to qtype; the norms' vectors stay F32, as llama-quantize
+    leaves them."""
+    return {
+        name: Quantized(quantize(w, qtype), qtype) if w.ndim == 2 else w
+        for name, w in tensors.items()
+    }
+
+
+VOCAB_MATRICES = ("token_embd.weight", "output.weight")
+
+
+def f16_vocab_matrices(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The vocabulary-sized matrices stored as F16: half the bytes to write and load."""
+    return {
+        name: w.astype(np.float16) if name in VOCAB_MATRICES else w for name, w in tensors.items()
+    }
+
+
 def write_gguf(
-    path: Path, metadata: Mapping[str, GGUFValue], tensors: Mapping[str, np.ndarray]
+    path: Path,
+    metadata: Mapping[str, GGUFValue],
+    tensors: Mapping[str, np.ndarray | Quantized],
+    copied: RawRecords = NO_RECORDS,
 ) -> Path:
-    """Write one GGUF file: metadata (must name general.architecture), then tensors in order."""
+    """Write one GGUF file: metadata (must name general.architecture), the `copied`
+    records (another file's, byte for byte), then tensors in order."""
     fields = dict(metadata)
     arch = fields.pop("general.architecture").value  # GGUFWriter writes this one itself
     writer = GGUFWriter(path, arch)
     for key, field in fields.items():
         writer.add_key_value(key, field.value, field.type, field.sub_type)
     for name, w in tensors.items():
-        writer.add_tensor(name, w)
+        if isinstance(w, Quantized):
+            writer.add_tensor(name, w.data, raw_dtype=w.qtype)
+        else:
+            writer.add_tensor(name, w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    if copied.count:
+        _append_records(writer, copied)
+    writer.write_tensors_to_file()  # pads to the data alignment from wherever it is
     writer.close()
     return path
+
+
+def _append_records(writer: GGUFWriter, records: RawRecords) -> None:
+    """Write records after the writer's own key/values, and count them in the header."""
+    (out,) = writer.fout
+    out.write(records.data)
+    end = out.tell()
+    out.seek(_KV_COUNT_OFFSET)
+    out.write(_U64.pack(len(writer.kv_data[0]) + records.count))
+    out.seek(end)
 
 
 def write_llama_model(
@@ -269,10 +432,6 @@ def write_llama_model(
     """A whole random F32 llama model in one call."""
     tensors = llama_tensors(hp, vocab, seed, weak_layers, weak_scale)
     return write_gguf(path, llama_metadata(hp, vocab, eos_token_id), tensors)
-
-
-def _u32(value: int) -> GGUFValue:
-    return GGUFValue(value, GGUFValueType.UINT32)
 
 
 def with_architecture(
@@ -434,12 +593,13 @@ def write_family_model(
 
 
 def _embeddings(
-    rng: np.random.Generator, vocab: Vocab, n_embd: int, norm: str
+    rng: np.random.Generator, vocab: Tokenizer, n_embd: int, norm: str, logit_scale: float = 4.0
 ) -> dict[str, np.ndarray]:
-    """Token embeddings, the output matrix and its norm, as llama_tensors makes them."""
+    """Token embeddings, the final norm and the output matrix, whose rows of tokens that
+    are not normal text pieces are zero."""
     output = rng.standard_normal((len(vocab), n_embd), dtype=np.float32)
-    output *= np.float32(4.0 / np.sqrt(n_embd))
-    output[:FIRST_PIECE_ID] = 0.0
+    output *= np.float32(logit_scale / np.sqrt(n_embd))
+    output[np.asarray(vocab.types) != TokenType.NORMAL] = 0.0
     return {
         "token_embd.weight": rng.standard_normal((len(vocab), n_embd), dtype=np.float32),
         norm: np.ones(n_embd, dtype=np.float32),

@@ -7,7 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import DRAFT_LAYERS, N_PAD, TARGET_HPARAMS, ModelPairFactory
-from ggufgen import FIRST_PIECE_ID, HParams, Vocab, write_llama_model
+from ggufgen import (
+    FIRST_PIECE_ID,
+    HParams,
+    Vocab,
+    llama_keys,
+    llama_tensors,
+    read_real_vocab,
+    write_gguf,
+    write_llama_model,
+)
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
@@ -134,3 +143,21 @@ def test_write_llama_model_in_one_call(tmp_path: Path, vocab: Vocab) -> None:
     llm = load(path)
     assert llm.metadata["llama.embedding_length"] == "32"
     assert llm.token_eos() == 300
+
+
+def test_a_tokenizer_copied_from_another_file(
+    tmp_path: Path, target_model: Path, vocab: Vocab
+) -> None:
+    """read_real_vocab + write_gguf(copied=...): the way real vocabularies are carried,
+    here with the synthetic one, so it runs without ../shared/vocab."""
+    copied = read_real_vocab(target_model)
+    assert len(copied) == len(vocab) and list(copied.types) == vocab.types
+    assert copied.records.count == 9  # every tokenizer.* key llama_metadata writes
+    hparams = HParams(n_embd=32, n_layer=1, n_head=2, n_head_kv=1, n_ff=64)
+    tensors = llama_tensors(hparams, copied, seed=1)
+    path = write_gguf(tmp_path / "copy.gguf", llama_keys(hparams), tensors, copied.records)
+    original, carried = load(target_model), load(path)
+    text = "Once upon a time, zébre ✓".encode()
+    assert carried.tokenize(text) == original.tokenize(text)
+    assert carried.token_eos() == original.token_eos()
+    assert carried.metadata["llama.embedding_length"] == "32"
