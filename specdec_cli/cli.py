@@ -7,15 +7,16 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
 
-from specdec_cli import __version__
-from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
+from specdec_cli import __version__, interrupt
+from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
 from specdec_cli.chat import ChatOptions, chat_options
 from specdec_cli.config import ModelSpec, PairSpec, load_config
 from specdec_cli.display import (
@@ -27,10 +28,18 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_gpu_layers, parse_k
+from specdec_cli.engine import (
+    DEFAULT_MAX_CTX,
+    DraftOptions,
+    Engine,
+    EngineOptions,
+    GenerationOptions,
+    parse_gpu_layers,
+    parse_k,
+)
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
-from specdec_cli.models import locate_draft, locate_model
+from specdec_cli.models import NO_DRAFT, locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import Stats
 
@@ -87,30 +96,34 @@ def _main_options(
 
 
 # Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
+# Defaults live in the dataclasses (EngineOptions, DraftOptions, SamplingParams, ...): an
+# option defaults to None, so that a config file can fill in what the command line left
+# out, and its help shows the dataclass's value with show_default.
 ModelOpt = Annotated[
     str,
     typer.Option(
         "-m",
         "--model",
+        metavar="MODEL",
         help="Target model: a .gguf file, a name from the config (a \\[models] or \\[pairs] "
         "entry), or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
+        show_default=False,
     ),
 ]
-DraftOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "-d",
-        "-md",
-        "--draft",
-        help="Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
-        "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
-        "first, the model where the text offers nothing to copy.",
-    ),
-]
+DRAFT_HELP = (
+    "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
+    "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
+    "first, the model where the text offers nothing to copy."
+)
 CtxOpt = Annotated[
     int | None,
     typer.Option(
-        "-c", "--ctx-size", min=0, help="Context size in tokens (0: the model's own, at most 4096)."
+        "-c",
+        "--ctx-size",
+        min=0,
+        metavar="N",
+        help=f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
+        show_default=str(EngineOptions.n_ctx),
     ),
 ]
 BatchOpt = Annotated[
@@ -119,9 +132,10 @@ BatchOpt = Annotated[
         "-b",
         "--batch-size",
         min=1,
+        metavar="N",
         help="Most tokens one decode call takes; a round's draft is verified in one "
-        f"call, so drafts stop at this minus 1. [default: {EngineOptions.n_batch}]",
-        show_default=False,
+        "call, so drafts stop at this minus 1.",
+        show_default=str(EngineOptions.n_batch),
     ),
 ]
 UBatchOpt = Annotated[
@@ -130,18 +144,31 @@ UBatchOpt = Annotated[
         "-ub",
         "--ubatch-size",
         min=1,
-        help=f"Most tokens one compute graph takes. [default: {EngineOptions.n_ubatch}]",
-        show_default=False,
+        metavar="N",
+        help="Most tokens one compute graph takes.",
+        show_default=str(EngineOptions.n_ubatch),
     ),
 ]
 ThreadsOpt = Annotated[
     int | None,
-    typer.Option("-t", "--threads", min=0, help="CPU threads for the target (0: physical cores)."),
+    typer.Option(
+        "-t",
+        "--threads",
+        min=0,
+        metavar="N",
+        help="CPU threads for the target (0: physical cores).",
+        show_default=str(EngineOptions.threads),
+    ),
 ]
 ThreadsDraftOpt = Annotated[
     int | None,
     typer.Option(
-        "-td", "--threads-draft", min=0, help="CPU threads for the draft (default: as -t)."
+        "-td",
+        "--threads-draft",
+        min=0,
+        metavar="N",
+        help="CPU threads for the draft.",
+        show_default="as -t",
     ),
 ]
 NglOpt = Annotated[
@@ -149,8 +176,9 @@ NglOpt = Annotated[
     typer.Option(
         "-ngl",
         "--n-gpu-layers",
-        help="Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'. "
-        "(default: all the build can offload)",
+        metavar="N",
+        help="Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
+        show_default="all the build can offload",
     ),
 ]
 NgldOpt = Annotated[
@@ -158,7 +186,9 @@ NgldOpt = Annotated[
     typer.Option(
         "-ngld",
         "--n-gpu-layers-draft",
-        help="Draft layers to offload to the GPU, as -ngl. (default: all)",
+        metavar="N",
+        help="Draft layers to offload to the GPU, as -ngl.",
+        show_default="all",
     ),
 ]
 DeviceOpt = Annotated[
@@ -166,14 +196,19 @@ DeviceOpt = Annotated[
     typer.Option(
         "-dev",
         "--device",
-        help="Device(s) for the target, comma-separated ('none': no offload; "
-        "see --list-devices). (default: every GPU)",
+        metavar="DEVICES",
+        help="Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
+        show_default="every GPU",
     ),
 ]
 DeviceDraftOpt = Annotated[
     str | None,
     typer.Option(
-        "-devd", "--device-draft", help="Device(s) for the draft model, as -dev. (default: as -dev)"
+        "-devd",
+        "--device-draft",
+        metavar="DEVICES",
+        help="Device(s) for the draft model, as -dev.",
+        show_default="as -dev",
     ),
 ]
 RepackOpt = Annotated[
@@ -181,9 +216,8 @@ RepackOpt = Annotated[
     typer.Option(
         "--repack/--no-repack",
         " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
-        help="Repack weights for the CPU's fastest kernels. (default: on, unless a test run "
-        "shows that they crash on this CPU)",
-        show_default=False,
+        help="Repack weights for the CPU's fastest kernels.",
+        show_default="on, unless a test run shows that they crash on this CPU",
     ),
 ]
 
@@ -200,15 +234,35 @@ FlashOpt = Annotated[
         "-fa",
         "--flash-attn",
         help="Flash attention; auto: whichever measures faster on this machine "
-        "(once per model and settings). (default: auto)",
+        "(once per model and settings).",
+        show_default=EngineOptions.flash_attn,
     ),
 ]
-TempOpt = Annotated[
-    float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. (default: 0.8)")
-]
+
+
+def temp_option(default: float) -> Any:
+    """--temp, whose default differs: sampling for `run`, greedy for `bench`."""
+    return Annotated[
+        float | None,
+        typer.Option(
+            "--temp",
+            min=0.0,
+            metavar="T",
+            help="Temperature; 0 is greedy.",
+            show_default=str(default),
+        ),
+    ]
+
+
 TopKOpt = Annotated[
     int | None,
-    typer.Option("--top-k", min=0, help="Keep the k most likely tokens; 0 is off. (default: 40)"),
+    typer.Option(
+        "--top-k",
+        min=0,
+        metavar="N",
+        help="Keep the k most likely tokens; 0 is off.",
+        show_default=str(SamplingParams.top_k),
+    ),
 ]
 TopPOpt = Annotated[
     float | None,
@@ -216,7 +270,9 @@ TopPOpt = Annotated[
         "--top-p",
         min=0.0,
         max=1.0,
-        help="Keep the smallest set with this much mass; 1 is off. (default: 0.95)",
+        metavar="P",
+        help="Keep the smallest set with this much mass; 1 is off.",
+        show_default=str(SamplingParams.top_p),
     ),
 ]
 MinPOpt = Annotated[
@@ -225,43 +281,69 @@ MinPOpt = Annotated[
         "--min-p",
         min=0.0,
         max=1.0,
-        help="Drop tokens below min-p x the top probability; 0 is off. (default: 0.05)",
+        metavar="P",
+        help="Drop tokens below min-p x the top probability; 0 is off.",
+        show_default=str(SamplingParams.min_p),
     ),
 ]
-SeedOpt = Annotated[
-    int | None,
-    typer.Option("--seed", help="Random seed; -1 picks one (and reports it). (default: -1)"),
-]
 DraftMaxOpt = Annotated[
-    int, typer.Option("--draft-max", min=1, help="With -k auto: the longest draft.")
+    int | None,
+    typer.Option(
+        "--draft-max",
+        min=1,
+        metavar="N",
+        help="With -k auto: the longest draft.",
+        show_default=str(DraftOptions.draft_max),
+    ),
 ]
 DraftMinOpt = Annotated[
-    int, typer.Option("--draft-min", min=0, help="With -k auto: the shortest draft.")
+    int | None,
+    typer.Option(
+        "--draft-min",
+        min=0,
+        metavar="N",
+        help="With -k auto: the shortest draft.",
+        show_default=str(DraftOptions.draft_min),
+    ),
 ]
 DraftPMinOpt = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--draft-p-min",
         min=0.0,
         max=1.0,
+        metavar="P",
         help="Stop drafting when the draft's top probability falls below this.",
+        show_default=str(DraftOptions.p_min),
     ),
 ]
 NgramMinOpt = Annotated[
-    int, typer.Option("--ngram-min", min=1, help="With -d ngram: the shortest n-gram to look up.")
+    int | None,
+    typer.Option(
+        "--ngram-min",
+        min=1,
+        metavar="N",
+        help="With -d ngram: the shortest n-gram to look up.",
+        show_default=str(DraftOptions.ngram_min),
+    ),
 ]
 NgramMaxOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
-        "--ngram-max", min=1, help="With -d ngram: the longest n-gram to look up (tried first)."
+        "--ngram-max",
+        min=1,
+        metavar="N",
+        help="With -d ngram: the longest n-gram to look up (tried first).",
+        show_default=str(DraftOptions.ngram_max),
     ),
 ]
 ConfigOpt = Annotated[
     str | None,
     typer.Option(
         "--config",
-        help="Config file of named models "
-        "and pairs (default: $SPECDEC_CONFIG, then the user config dir).",
+        metavar="FILE",
+        help="Config file of named models and pairs.",
+        show_default="$SPECDEC_CONFIG, then models.toml in the user config dir",
     ),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
@@ -288,14 +370,15 @@ def engine_options(
     top_k: int | None,
     top_p: float | None,
     min_p: float | None,
-    draft_max: int,
-    draft_min: int,
-    draft_p_min: float,
-    ngram_min: int,
-    ngram_max: int,
+    draft_max: int | None,
+    draft_min: int | None,
+    draft_p_min: float | None,
+    ngram_min: int | None,
+    ngram_max: int | None,
     verbose: bool,
 ) -> tuple[EngineOptions, dict[str, int]]:
-    """Turn the shared options (and the config file's defaults) into EngineOptions.
+    """Turn the shared options (and the config file's defaults) into EngineOptions: what
+    the command line gives, else what the config gives, else the dataclasses' defaults.
 
     Returns the options and the pair's remaining defaults (seed, n_predict)."""
     config = load_config(config_path)
@@ -306,38 +389,54 @@ def engine_options(
     draft, ngram = split_drafts(drafts)
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
-    if k is None:
-        k = str(pair.k) if pair and pair.k else "auto"
-    if draft_min > draft_max:
-        raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
-    if ngram_min > ngram_max:
-        raise UserError(f"--ngram-min ({ngram_min}) is above --ngram-max ({ngram_max})")
+    drafting = DraftOptions(
+        **_given(
+            k=_pick(k, pair.k if pair else None),
+            draft_min=draft_min,
+            draft_max=draft_max,
+            p_min=draft_p_min,
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
+        )
+    )
+    parse_k(drafting.k)
+    if drafting.draft_min > drafting.draft_max:
+        raise UserError(
+            f"--draft-min ({drafting.draft_min}) is above --draft-max ({drafting.draft_max})"
+        )
+    if drafting.ngram_min > drafting.ngram_max:
+        raise UserError(
+            f"--ngram-min ({drafting.ngram_min}) is above --ngram-max ({drafting.ngram_max})"
+        )
     draft_spec = config.resolve(draft) if draft and draft.lower() != "none" else None
     sampling = SamplingParams(
-        temp=_pick(temp, defaults.get("temp"), 0.8),
-        top_k=int(_pick(top_k, defaults.get("top_k"), 40)),
-        top_p=_pick(top_p, defaults.get("top_p"), 0.95),
-        min_p=_pick(min_p, defaults.get("min_p"), 0.05),
+        **_given(
+            temp=_pick(temp, defaults.get("temp")),
+            top_k=_pick(top_k, defaults.get("top_k")),
+            top_p=_pick(top_p, defaults.get("top_p")),
+            min_p=_pick(min_p, defaults.get("min_p")),
+        )
     )
-    parse_k(k)
     options = EngineOptions(
         target=locate_model(target_spec.path, config),
         draft=locate_draft(draft, config) if draft else None,
         ngram=ngram,
-        n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
-        n_batch=_pick(batch_size, EngineOptions.n_batch),
-        n_ubatch=_pick(ubatch_size, EngineOptions.n_ubatch),
-        threads=_pick(threads, target_spec.threads, 0),
-        threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
         n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
         device=device,
         device_draft=device_draft,
         repack=repack,
-        flash_attn=FlashAttn(_pick(flash_attn, EngineOptions.flash_attn)).value,
         verbose=verbose,
         sampling=sampling,
-        drafting=DraftOptions(k, draft_min, draft_max, draft_p_min, ngram_min, ngram_max),
+        drafting=drafting,
+        **_given(
+            n_ctx=_pick(ctx_size, target_spec.n_ctx),
+            n_batch=batch_size,
+            n_ubatch=ubatch_size,
+            threads=_pick(threads, target_spec.threads),
+            threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None)),
+            flash_attn=FlashAttn(flash_attn).value if flash_attn else None,
+        ),
     )
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
 
@@ -354,6 +453,8 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
     models = [d for d in drafts if d.lower() != "ngram"]
     if len(models) > 1:
         raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
+    if models and models[0].lower() == NO_DRAFT and len(drafts) > 1:
+        raise UserError("-d none runs the target alone; it cannot go with -d ngram (keep one)")
     return (models[0] if models else None), len(models) < len(drafts)
 
 
@@ -370,22 +471,32 @@ def shared_options(command_args: dict[str, object]) -> dict[str, object]:
     return {name: command_args[name] for name in SHARED_OPTIONS}
 
 
-def _pick(*values):
-    """The first value that is not None: the command line, then the config, then the default."""
-    return next(v for v in values if v is not None)
+def _pick(*values: Any) -> Any:
+    """The first value that is not None (the command line, then the config), else None."""
+    return next((v for v in values if v is not None), None)
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The values that were given: the dataclass's own defaults stand for the rest."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 @app.command()
 def run(
     model: ModelOpt,
-    draft: DraftOpt = None,
+    draft: Annotated[
+        list[str] | None,
+        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=DRAFT_HELP, show_default="none"),
+    ] = None,
     k: Annotated[
         str | None,
         typer.Option(
             "-k",
             "--draft-length",
+            metavar="N|auto",
             help="Tokens to draft per round, or 'auto' to choose each round from the running "
-            "acceptance and measured costs. (default: auto)",
+            "acceptance and measured costs.",
+            show_default=DraftOptions.k,
         ),
     ] = None,
     prompt: Annotated[
@@ -393,26 +504,41 @@ def run(
         typer.Option(
             "-p",
             "--prompt",
+            metavar="TEXT",
             help="The prompt; '-' reads stdin (as does piping text in with no -p).",
         ),
     ] = None,
     file: Annotated[
-        Path | None, typer.Option("-f", "--file", help="Read the prompt from this file.")
+        Path | None,
+        typer.Option("-f", "--file", metavar="FILE", help="Read the prompt from this file."),
     ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
             "--prompts",
-            help="One prompt per line: one independent generation each, JSON Lines out.",
+            metavar="FILE",
+            help="One prompt per line: one independent generation each, JSON Lines out. "
+            "Each record's index is its line number and its seed reruns it alone "
+            "(-p LINE --seed SEED).",
         ),
     ] = None,
     n_predict: Annotated[
         int | None,
-        typer.Option("-n", "--n-predict", min=1, help="Tokens to generate at most. (default: 256)"),
+        typer.Option(
+            "-n",
+            "--n-predict",
+            metavar="N",
+            help="Tokens to generate at most; -1: until the model stops or the context is full.",
+            show_default=str(GenerationOptions.n_predict),
+        ),
     ] = None,
     stop: Annotated[
         list[str] | None,
-        typer.Option("--stop", help="Stop when this text appears (not printed); repeatable."),
+        typer.Option(
+            "--stop",
+            metavar="TEXT",
+            help="Stop when this text appears (not printed); repeatable.",
+        ),
     ] = None,
     chat: Annotated[
         bool,
@@ -425,12 +551,14 @@ def run(
         ),
     ] = False,
     system: Annotated[
-        str | None, typer.Option("--system", help="A system message (implies --chat).")
+        str | None,
+        typer.Option("--system", metavar="TEXT", help="A system message (implies --chat)."),
     ] = None,
     messages: Annotated[
         str | None,
         typer.Option(
             "--messages",
+            metavar="FILE",
             help='A conversation: a JSON file holding a list of {"role", "content"} objects '
             "(roles system, user, assistant, tool); '-' reads stdin. Implies --chat. A prompt "
             "(-p, -f, or each --prompts line) is added as the last user turn; --system is "
@@ -442,16 +570,25 @@ def run(
         str | None,
         typer.Option(
             "--chat-template",
+            metavar="NAME|FILE",
             help="The chat format, instead of the model's own (implies --chat): a llama.cpp "
             f"built-in name ({', '.join(builtin_chat_templates())}), or a Jinja template "
             "file, which llama.cpp only recognises as one of those formats (else refused).",
         ),
     ] = None,
-    temp: TempOpt = None,
+    temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
-    seed: SeedOpt = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed",
+            metavar="N",
+            help="Random seed; -1 picks one (and reports it).",
+            show_default=str(GenerationOptions.seed),
+        ),
+    ] = None,
     ctx_size: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
@@ -463,11 +600,11 @@ def run(
     device_draft: DeviceDraftOpt = None,
     repack: RepackOpt = None,
     flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = 16,
-    draft_min: DraftMinOpt = 0,
-    draft_p_min: DraftPMinOpt = 0.0,
-    ngram_min: NgramMinOpt = 1,
-    ngram_max: NgramMaxOpt = 4,
+    draft_max: DraftMaxOpt = None,
+    draft_min: DraftMinOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     as_json: Annotated[
         bool,
         typer.Option(
@@ -495,25 +632,37 @@ def run(
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
     options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
-    n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
-    seed = _pick(seed, defaults.get("seed"), -1)
-    if seed < 0:
-        seed = int(np.random.SeedSequence().entropy % 2**32)
-    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
-    texts = (
-        _read_prompts(prompts) if prompts else [_read_prompt(prompt, file, messages is not None)]
+    generation = GenerationOptions(
+        **_given(
+            n_predict=_pick(n_predict, defaults.get("n_predict")),
+            seed=_pick(seed, defaults.get("seed")),
+        )
     )
-    # Say why the first -k auto run pauses, to a person watching (not to scripts).
-    notify = note if sys.stderr.isatty() else None
-    with Engine(options, notify=notify) as engine, ends_quietly_on_closed_pipe():
+    if generation.n_predict == 0 or generation.n_predict < -1:
+        raise UserError(
+            f"--n-predict must be at least 1, or -1 for no limit (got {generation.n_predict})"
+        )
+    if generation.seed < 0:
+        generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
+    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
+    texts = _read_prompts(prompts) if prompts else {0: _read_prompt(prompt, file, messages)}
+    for message in ignored_options(options, k):
+        warn(message)
+    # Say why the first -k auto run pauses (a person, or a log, would wonder).
+    with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
         if prompts:
-            _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat_opts)
+            _run_many(engine, texts, generation, tuple(stop or ()), chat_opts)
         else:
-            _run_one(
-                engine, texts[0], n_predict, seed, tuple(stop or ()), chat_opts, as_json, quiet
-            )
+            _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, as_json, quiet)
+
+
+def ignored_options(options: EngineOptions, k: str | None) -> list[str]:
+    """Options that would do nothing as given: one warning line each."""
+    if k is not None and options.draft is None and not options.ngram:
+        return [f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram"]
+    return []
 
 
 @contextmanager
@@ -534,25 +683,35 @@ def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max:
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
 
 
-def _read_prompt(prompt: str | None, file: Path | None, optional: bool = False) -> str | None:
-    """The prompt from -p, -f or stdin; None if `optional` and neither -p nor -f is given
-    (stdin is then left alone)."""
+def _read_prompt(prompt: str | None, file: Path | None, messages: str | None) -> str | None:
+    """The prompt from -p, -f or stdin; None when --messages gives the conversation and
+    neither -p nor -f is given (stdin is then left alone). Never empty: generating from
+    BOS alone is not what anyone asks for."""
     if prompt is not None and file is not None:
         raise UserError("give the prompt with -p or with -f, not both")
     # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
     if file is not None:
-        return _read_text(file).removesuffix("\n")
-    if prompt is None and optional:
+        text, origin = _read_text(file).removesuffix("\n"), str(file)
+    elif prompt is None and messages is not None:
         return None
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read().removesuffix("\n")
-    if prompt is None:
+    elif prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        text, origin = _decode(sys.stdin.buffer.read(), "stdin").removesuffix("\n"), "stdin"
+    elif prompt is None:
         raise UserError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
-    return prompt
+    else:
+        text, origin = prompt, "-p"
+    if not text:
+        raise UserError(f"the prompt ({origin}) is empty; give some text with -p, -f or stdin")
+    return text
 
 
-def _read_prompts(path: Path) -> list[str]:
-    lines = [line for line in _read_text(path).splitlines() if line.strip()]
+def _read_prompts(path: Path) -> dict[int, str]:
+    """The prompts of a --prompts file by line number (from 1); blank lines are skipped."""
+    lines = {
+        number: line
+        for number, line in enumerate(_read_text(path).splitlines(), start=1)
+        if line.strip()
+    }
     if not lines:
         raise UserError(f"{path} has no prompts; write one prompt per line")
     return lines
@@ -560,60 +719,81 @@ def _read_prompts(path: Path) -> list[str]:
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return _decode(path.read_bytes(), str(path))
     except FileNotFoundError:
         raise UserError(f"file not found: {path}; check the path") from None
-    except (OSError, UnicodeDecodeError) as err:
+    except OSError as err:
         raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def _decode(data: bytes, origin: str) -> str:
+    """UTF-8 text; other bytes (a Latin-1 file, binary input) become U+FFFD, said once."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        warn(
+            f"{origin} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "bytes that are not UTF-8 were replaced with U+FFFD (convert the text to UTF-8 "
+            "to keep them)"
+        )
+        return data.decode("utf-8", errors="replace")
 
 
 def _run_one(
     engine: Engine,
     text: str | None,
-    n_predict: int,
-    seed: int,
+    generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
     as_json: bool,
     quiet: bool,
 ) -> None:
     tokens = engine.tokenize(text, chat)
-    stats = Stats()
+    stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
     display = make_display(stats, as_json, quiet)
     pieces: list[str] = []
+    rng = np.random.default_rng(generation.seed)
     try:
-        for piece in engine.generate(tokens, n_predict, np.random.default_rng(seed), stats, stop):
-            pieces.append(piece)
-            display.text(piece)
+        with interrupt.generating():
+            for piece in engine.generate(tokens, generation.n_predict, rng, stats, stop):
+                pieces.append(piece)
+                display.text(piece)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
     display.finish()
     if as_json:
-        print(json.dumps({"text": "".join(pieces), "seed": seed, **stats.to_dict()}))
+        record = {"text": "".join(pieces), "seed": generation.seed, **stats.to_dict()}
+        print(json.dumps(record))
     if stats.stop_reason == "interrupted":
-        raise typer.Exit(130)
+        raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def line_seed(seed: int, line: int) -> int:
+    """The seed of a --prompts line: its own random stream, derived from --seed and the
+    line number (so that lines added elsewhere do not change it), and the --seed that
+    reruns that line alone with -p."""
+    return int(np.random.SeedSequence([seed, line]).generate_state(1)[0])
 
 
 def _run_many(
     engine: Engine,
-    texts: list[str],
-    n_predict: int,
-    seed: int,
+    texts: dict[int, str],
+    generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
 ) -> None:
-    """One JSON line per prompt, each with its own random stream spawned from --seed."""
-    streams = np.random.SeedSequence(seed).spawn(len(texts))
-    for index, (text, stream) in enumerate(zip(texts, streams, strict=True)):
+    """One JSON line per prompt, each with a seed of its own derived from --seed."""
+    for line, text in texts.items():
         stats = Stats()
         tokens = engine.tokenize(text, chat)
+        seed = line_seed(generation.seed, line)
+        rng = np.random.default_rng(seed)
         try:
-            out = "".join(
-                engine.generate(tokens, n_predict, np.random.default_rng(stream), stats, stop)
-            )
+            with interrupt.generating():
+                out = "".join(engine.generate(tokens, generation.n_predict, rng, stats, stop))
         except KeyboardInterrupt:
-            raise typer.Exit(130) from None
-        record = {"index": index, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
+            raise typer.Exit(interrupt.EXIT_CODE) from None
+        record = {"index": line, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
         print(json.dumps(record), flush=True)
 
 
@@ -626,30 +806,64 @@ def bench(
             "-d",
             "-md",
             "--draft",
+            metavar="DRAFT",
             help="Drafter(s) to measure: a draft model (same forms as -m) and/or 'ngram'. "
             "Repeatable; with both, their combination (lookup first) is measured too.",
         ),
     ] = None,
     k: Annotated[
-        str, typer.Option("-k", "--draft-length", help="Draft lengths to try, e.g. 1,2,4,8,auto.")
-    ] = "1,2,4,8",
+        str | None,
+        typer.Option(
+            "-k",
+            "--draft-length",
+            metavar="LIST",
+            help="Draft lengths to try, e.g. 1,2,4,8,auto.",
+            show_default=BenchOptions.ks,
+        ),
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
             "--prompts",
-            help="One prompt per line (default: a built-in set of "
-            "story, code, list, factual and copy prompts).",
+            metavar="FILE",
+            help="One prompt per line.",
+            show_default="a built-in set of story, code, list, factual and copy prompts",
         ),
     ] = None,
     n_predict: Annotated[
-        int, typer.Option("-n", "--n-predict", min=1, help="Tokens per generation.")
-    ] = 128,
-    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Repeats of the whole set.")] = 3,
-    temp: TempOpt = 0.0,
+        int | None,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            min=1,
+            metavar="N",
+            help="Tokens per generation.",
+            show_default=str(BenchOptions.n_predict),
+        ),
+    ] = None,
+    repeat: Annotated[
+        int | None,
+        typer.Option(
+            "--repeat",
+            min=1,
+            metavar="N",
+            help="Repeats of the whole set.",
+            show_default=str(BenchOptions.repeat),
+        ),
+    ] = None,
+    temp: temp_option(BenchOptions.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed (sampling only).")] = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed",
+            metavar="N",
+            help="Random seed (sampling only).",
+            show_default=str(BenchOptions.seed),
+        ),
+    ] = None,
     ctx_size: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
@@ -661,18 +875,21 @@ def bench(
     device_draft: DeviceDraftOpt = None,
     repack: RepackOpt = None,
     flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = 16,
-    draft_min: DraftMinOpt = 0,
-    draft_p_min: DraftPMinOpt = 0.0,
-    ngram_min: NgramMinOpt = 1,
-    ngram_max: NgramMaxOpt = 4,
+    draft_max: DraftMaxOpt = None,
+    draft_min: DraftMinOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Write every figure to this JSON file.")
+        Path | None,
+        typer.Option("--json", metavar="FILE", help="Write every figure to this JSON file."),
     ] = None,
     plot_path: Annotated[
         Path | None,
         typer.Option(
-            "--plot", help="Write a PNG of tokens/s and acceptance against k (needs matplotlib)."
+            "--plot",
+            metavar="FILE",
+            help="Write a PNG of tokens/s and acceptance against k (needs matplotlib).",
         ),
     ] = None,
     config: ConfigOpt = None,
@@ -687,8 +904,12 @@ def bench(
 
     Example: specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
+    # Fail now, not after minutes of measuring.
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path:
+            check_writable(path, flag)
     if plot_path:
-        load_pyplot()  # fail now, not after minutes of measuring
+        load_pyplot()
     drafts = draft or []
     if not drafts:
         raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
@@ -697,23 +918,24 @@ def bench(
     kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
     if len(kinds) == 2:
         kinds.append("model+ngram")
-    ks = [x.strip() for x in k.split(",") if x.strip()]
+    plan = BenchOptions(**_given(ks=k, n_predict=n_predict, repeat=repeat, seed=seed))
+    ks = [x.strip() for x in plan.ks.split(",") if x.strip()]
     variant_list = variants(kinds, ks)
     texts = (
-        {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
-        if prompts
-        else BUILTIN_PROMPTS
+        {f"line {n}": t for n, t in _read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
     )
     flags = shared_options(locals())
-    if ctx_size is None:
-        flags["ctx_size"] = fit_context(texts, n_predict, ks, draft_max)
+    flags["temp"] = _pick(temp, BenchOptions.temp)
     options, _ = engine_options(model, drafts, config, k="1", **flags)
-    with Engine(options) as engine, ends_quietly_on_closed_pipe():
+    if ctx_size is None:
+        n_ctx = fit_context(texts, plan.n_predict, ks, options.drafting.draft_max)
+        options = replace(options, n_ctx=n_ctx)
+    with Engine(options, notify=note) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
-        total = len(variant_list) * len(texts) * repeat
+        total = len(variant_list) * len(texts) * plan.repeat
         with bench_progress(total) as advance:
-            report = run_bench(engine, variant_list, texts, n_predict, repeat, seed, advance)
+            report = run_bench(engine, variant_list, texts, plan, advance)
     print_bench(report)
     if json_path:
         try:
@@ -722,6 +944,16 @@ def bench(
             raise UserError(f"cannot write {json_path}: {err.strerror or err}") from None
     if plot_path:
         write_plot(report, str(plot_path))
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before any work, a path that a file cannot be written to."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: there is no directory {path.parent}; create it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here; choose another path")
 
 
 # --- model commands (info, check) ---

@@ -25,7 +25,7 @@ ENV_VAR = "SPECDEC_CONFIG"
 
 # Allowed keys and their types. A float key also accepts a TOML integer (`temp = 0`).
 _MODEL_KEYS: dict[str, type] = {"path": str, "n_gpu_layers": int, "n_ctx": int, "threads": int}
-_PAIR_KEYS: dict[str, type] = {"target": str, "draft": str, "k": int}
+_PAIR_KEYS: dict[str, type] = {"target": str, "draft": str, "k": int | str}
 _SAMPLING_KEYS: dict[str, type] = {
     "temp": float,
     "top_k": int,
@@ -54,7 +54,7 @@ class PairSpec:
     name: str
     target: ModelSpec
     draft: ModelSpec
-    k: int | None = None
+    k: str | None = None  # a number of tokens, or "auto", as -k takes it
     sampling: dict[str, int | float] = field(default_factory=dict)  # only the keys the file set
 
 
@@ -165,9 +165,9 @@ def _pair(
             _fail(source, f"{where}.{role}", f"'{ref}' is a pair; name a model")
         roles[role] = models[ref] if ref in models else ModelSpec(path=_model_path(ref, source))
     k = values.pop("k", None)
-    if k is not None and k < 1:
-        _fail(source, f"{where}.k", "must be at least 1")
-    return PairSpec(name=name, k=k, sampling=values, **roles)
+    if k is not None and k != "auto" and (isinstance(k, str) or k < 1):
+        _fail(source, f"{where}.k", f'must be a number of at least 1 or "auto", got {k!r}')
+    return PairSpec(name=name, k=None if k is None else str(k), sampling=values, **roles)
 
 
 def _check_keys(
@@ -184,7 +184,9 @@ def _check_keys(
             isinstance(value, (int, float)) if expected is float else isinstance(value, expected)
         )
         if not ok or (expected is str and not value):
-            wanted = {str: "a non-empty string", int: "an integer", float: "a number"}[expected]
+            wanted = {str: "a non-empty string", int: "an integer", float: "a number"}.get(
+                expected, "a number or a string"
+            )
             _fail(source, f"{where}.{key}", f"must be {wanted}, got {value!r}")
         values[key] = float(value) if expected is float else value
     return values

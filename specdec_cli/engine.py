@@ -52,6 +52,14 @@ class DraftOptions:
 
 
 @dataclass(frozen=True)
+class GenerationOptions:
+    """How much `specdec run` generates, and from which random seed."""
+
+    n_predict: int = 256  # -1: no limit (until the model stops or the context is full)
+    seed: int = -1  # -1: pick one, and report it
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     target: Path
     draft: Path | None = None  # a draft model file
@@ -284,6 +292,24 @@ class Engine:
         finally:
             for context in contexts.values():
                 context.close()
+
+    def describe(self) -> dict[str, object]:
+        """What a run with these models and settings needs to be reproduced."""
+        o = self.options
+        models = {"target": o.target, "draft": o.draft}
+        return {
+            "models": {
+                role: {"path": str(path), "bytes": path.stat().st_size}
+                for role, path in models.items()
+                if path
+            },
+            "n_ctx": self.target.n_ctx,
+            "threads": self.target.threads,
+            "threads_draft": self.draft_ctx.threads if self.draft_ctx else None,
+            "n_batch": o.n_batch,
+            "n_ubatch": o.n_ubatch,
+            **self._load_settings(),
+        }
 
     def _model_paths(self) -> list[Path]:
         o = self.options

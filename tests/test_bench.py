@@ -266,10 +266,10 @@ def test_bench_prompts_file(target_model: Path, tmp_path: Path) -> None:
     prompts.write_text("The little dog\n\nOnce upon a time\n")
     data = bench(target_model, ["ngram"], tmp_path / "out.json", "--prompts", str(prompts))
     assert data["settings"]["prompts"] == {
-        "prompt 1": "The little dog",
-        "prompt 2": "Once upon a time",
+        "line 1": "The little dog",
+        "line 3": "Once upon a time",
     }
-    assert set(data["baseline"]["tokens_per_second_by_prompt"]) == {"prompt 1", "prompt 2"}
+    assert set(data["baseline"]["tokens_per_second_by_prompt"]) == {"line 1", "line 3"}
 
 
 def test_bench_needs_a_drafter(target_model: Path) -> None:
