@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
@@ -47,6 +48,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless speculative decoding for llama.cpp GGUF models.",
 )
@@ -98,14 +100,21 @@ def _main_options(
 # Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
 # Defaults live in the dataclasses (EngineOptions, DraftOptions, SamplingParams, ...): an
 # option defaults to None, so that a config file can fill in what the command line left
-# out, and its help shows the dataclass's value with show_default.
+# out, and its help says the dataclass's value (see `described`).
+
+
+def described(text: str, default: object) -> str:
+    """An option's help, ending with its default, said once."""
+    return f"{text}  [default: {default}]"
+
+
 ModelOpt = Annotated[
     str,
     typer.Option(
         "-m",
         "--model",
         metavar="MODEL",
-        help="Target model: a .gguf file, a name from the config (a \\[models] or \\[pairs] "
+        help="Target model: a .gguf file, a name from the config (a [models] or [pairs] "
         "entry), or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
         show_default=False,
     ),
@@ -122,8 +131,10 @@ CtxOpt = Annotated[
         "--ctx-size",
         min=0,
         metavar="N",
-        help=f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
-        show_default=str(EngineOptions.n_ctx),
+        help=described(
+            f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
+            EngineOptions.n_ctx,
+        ),
     ),
 ]
 BatchOpt = Annotated[
@@ -133,9 +144,11 @@ BatchOpt = Annotated[
         "--batch-size",
         min=1,
         metavar="N",
-        help="Most tokens one decode call takes; a round's draft is verified in one "
-        "call, so drafts stop at this minus 1.",
-        show_default=str(EngineOptions.n_batch),
+        help=described(
+            "Most tokens one decode call takes; a round's draft is verified in one "
+            "call, so drafts stop at this minus 1.",
+            EngineOptions.n_batch,
+        ),
     ),
 ]
 UBatchOpt = Annotated[
@@ -145,8 +158,7 @@ UBatchOpt = Annotated[
         "--ubatch-size",
         min=1,
         metavar="N",
-        help="Most tokens one compute graph takes.",
-        show_default=str(EngineOptions.n_ubatch),
+        help=described("Most tokens one compute graph takes.", EngineOptions.n_ubatch),
     ),
 ]
 ThreadsOpt = Annotated[
@@ -156,8 +168,7 @@ ThreadsOpt = Annotated[
         "--threads",
         min=0,
         metavar="N",
-        help="CPU threads for the target (0: physical cores).",
-        show_default=str(EngineOptions.threads),
+        help=described("CPU threads for the target (0: physical cores).", EngineOptions.threads),
     ),
 ]
 ThreadsDraftOpt = Annotated[
@@ -167,8 +178,7 @@ ThreadsDraftOpt = Annotated[
         "--threads-draft",
         min=0,
         metavar="N",
-        help="CPU threads for the draft.",
-        show_default="as -t",
+        help=described("CPU threads for the draft.", "as -t"),
     ),
 ]
 NglOpt = Annotated[
@@ -177,8 +187,10 @@ NglOpt = Annotated[
         "-ngl",
         "--n-gpu-layers",
         metavar="N",
-        help="Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
-        show_default="all the build can offload",
+        help=described(
+            "Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
+            "all the build can offload",
+        ),
     ),
 ]
 NgldOpt = Annotated[
@@ -187,8 +199,7 @@ NgldOpt = Annotated[
         "-ngld",
         "--n-gpu-layers-draft",
         metavar="N",
-        help="Draft layers to offload to the GPU, as -ngl.",
-        show_default="all",
+        help=described("Draft layers to offload to the GPU, as -ngl.", "all"),
     ),
 ]
 DeviceOpt = Annotated[
@@ -197,8 +208,10 @@ DeviceOpt = Annotated[
         "-dev",
         "--device",
         metavar="DEVICES",
-        help="Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
-        show_default="every GPU",
+        help=described(
+            "Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
+            "every GPU",
+        ),
     ),
 ]
 DeviceDraftOpt = Annotated[
@@ -207,8 +220,7 @@ DeviceDraftOpt = Annotated[
         "-devd",
         "--device-draft",
         metavar="DEVICES",
-        help="Device(s) for the draft model, as -dev.",
-        show_default="as -dev",
+        help=described("Device(s) for the draft model, as -dev.", "as -dev"),
     ),
 ]
 RepackOpt = Annotated[
@@ -216,8 +228,10 @@ RepackOpt = Annotated[
     typer.Option(
         "--repack/--no-repack",
         " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
-        help="Repack weights for the CPU's fastest kernels.",
-        show_default="on, unless a test run shows that they crash on this CPU",
+        help=described(
+            "Repack weights for the CPU's fastest kernels.",
+            "on, unless a test run shows that they crash on this CPU",
+        ),
     ),
 ]
 
@@ -233,9 +247,12 @@ FlashOpt = Annotated[
     typer.Option(
         "-fa",
         "--flash-attn",
-        help="Flash attention; auto: whichever measures faster on this machine "
-        "(once per model and settings).",
-        show_default=EngineOptions.flash_attn,
+        metavar="on|off|auto",
+        help=described(
+            "Flash attention; auto: whichever measures faster on this machine "
+            "(once per model and settings).",
+            EngineOptions.flash_attn,
+        ),
     ),
 ]
 
@@ -248,8 +265,7 @@ def temp_option(default: float) -> Any:
             "--temp",
             min=0.0,
             metavar="T",
-            help="Temperature; 0 is greedy.",
-            show_default=str(default),
+            help=described("Temperature; 0 is greedy.", default),
         ),
     ]
 
@@ -260,8 +276,7 @@ TopKOpt = Annotated[
         "--top-k",
         min=0,
         metavar="N",
-        help="Keep the k most likely tokens; 0 is off.",
-        show_default=str(SamplingParams.top_k),
+        help=described("Keep the k most likely tokens; 0 is off.", SamplingParams.top_k),
     ),
 ]
 TopPOpt = Annotated[
@@ -271,8 +286,9 @@ TopPOpt = Annotated[
         min=0.0,
         max=1.0,
         metavar="P",
-        help="Keep the smallest set with this much mass; 1 is off.",
-        show_default=str(SamplingParams.top_p),
+        help=described(
+            "Keep the smallest set with this much mass; 1 is off.", SamplingParams.top_p
+        ),
     ),
 ]
 MinPOpt = Annotated[
@@ -282,8 +298,9 @@ MinPOpt = Annotated[
         min=0.0,
         max=1.0,
         metavar="P",
-        help="Drop tokens below min-p x the top probability; 0 is off.",
-        show_default=str(SamplingParams.min_p),
+        help=described(
+            "Drop tokens below min-p x the top probability; 0 is off.", SamplingParams.min_p
+        ),
     ),
 ]
 DraftMaxOpt = Annotated[
@@ -292,8 +309,7 @@ DraftMaxOpt = Annotated[
         "--draft-max",
         min=1,
         metavar="N",
-        help="With -k auto: the longest draft.",
-        show_default=str(DraftOptions.draft_max),
+        help=described("With -k auto: the longest draft.", DraftOptions.draft_max),
     ),
 ]
 DraftMinOpt = Annotated[
@@ -302,8 +318,7 @@ DraftMinOpt = Annotated[
         "--draft-min",
         min=0,
         metavar="N",
-        help="With -k auto: the shortest draft.",
-        show_default=str(DraftOptions.draft_min),
+        help=described("With -k auto: the shortest draft.", DraftOptions.draft_min),
     ),
 ]
 DraftPMinOpt = Annotated[
@@ -313,8 +328,9 @@ DraftPMinOpt = Annotated[
         min=0.0,
         max=1.0,
         metavar="P",
-        help="Stop drafting when the draft's top probability falls below this.",
-        show_default=str(DraftOptions.p_min),
+        help=described(
+            "Stop drafting when the draft's top probability falls below this.", DraftOptions.p_min
+        ),
     ),
 ]
 NgramMinOpt = Annotated[
@@ -323,8 +339,7 @@ NgramMinOpt = Annotated[
         "--ngram-min",
         min=1,
         metavar="N",
-        help="With -d ngram: the shortest n-gram to look up.",
-        show_default=str(DraftOptions.ngram_min),
+        help=described("With -d ngram: the shortest n-gram to look up.", DraftOptions.ngram_min),
     ),
 ]
 NgramMaxOpt = Annotated[
@@ -333,8 +348,9 @@ NgramMaxOpt = Annotated[
         "--ngram-max",
         min=1,
         metavar="N",
-        help="With -d ngram: the longest n-gram to look up (tried first).",
-        show_default=str(DraftOptions.ngram_max),
+        help=described(
+            "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
+        ),
     ),
 ]
 ConfigOpt = Annotated[
@@ -342,8 +358,10 @@ ConfigOpt = Annotated[
     typer.Option(
         "--config",
         metavar="FILE",
-        help="Config file of named models and pairs.",
-        show_default="$SPECDEC_CONFIG, then models.toml in the user config dir",
+        help=described(
+            "Config file of named models and pairs.",
+            "$SPECDEC_CONFIG, then models.toml in the user config dir",
+        ),
     ),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
@@ -486,7 +504,7 @@ def run(
     model: ModelOpt,
     draft: Annotated[
         list[str] | None,
-        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=DRAFT_HELP, show_default="none"),
+        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
     ] = None,
     k: Annotated[
         str | None,
@@ -494,9 +512,11 @@ def run(
             "-k",
             "--draft-length",
             metavar="N|auto",
-            help="Tokens to draft per round, or 'auto' to choose each round from the running "
-            "acceptance and measured costs.",
-            show_default=DraftOptions.k,
+            help=described(
+                "Tokens to draft per round, or 'auto' to choose each round from the running "
+                "acceptance and measured costs.",
+                DraftOptions.k,
+            ),
         ),
     ] = None,
     prompt: Annotated[
@@ -528,8 +548,10 @@ def run(
             "-n",
             "--n-predict",
             metavar="N",
-            help="Tokens to generate at most; -1: until the model stops or the context is full.",
-            show_default=str(GenerationOptions.n_predict),
+            help=described(
+                "Tokens to generate at most; -1: until the model stops or the context is full.",
+                GenerationOptions.n_predict,
+            ),
         ),
     ] = None,
     stop: Annotated[
@@ -585,8 +607,7 @@ def run(
         typer.Option(
             "--seed",
             metavar="N",
-            help="Random seed; -1 picks one (and reports it).",
-            show_default=str(GenerationOptions.seed),
+            help=described("Random seed; -1 picks one (and reports it).", GenerationOptions.seed),
         ),
     ] = None,
     ctx_size: CtxOpt = None,
@@ -621,12 +642,10 @@ def run(
     The output is what the target alone would produce (token for token with --temp 0,
     the same distribution when sampling), only faster when the draft guesses well.
 
+    \b
     Examples:
-
       specdec run -m target.gguf -d draft.gguf -k 5 -p "Once upon a time" -n 256
-
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
-
       specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
     """
     if prompts is not None and (prompt is not None or file is not None):
@@ -817,8 +836,7 @@ def bench(
             "-k",
             "--draft-length",
             metavar="LIST",
-            help="Draft lengths to try, e.g. 1,2,4,8,auto.",
-            show_default=BenchOptions.ks,
+            help=described("Draft lengths to try, e.g. 1,2,4,8,auto.", BenchOptions.ks),
         ),
     ] = None,
     prompts: Annotated[
@@ -826,8 +844,10 @@ def bench(
         typer.Option(
             "--prompts",
             metavar="FILE",
-            help="One prompt per line.",
-            show_default="a built-in set of story, code, list, factual and copy prompts",
+            help=described(
+                "One prompt per line.",
+                "a built-in set of story, code, list, factual and copy prompts",
+            ),
         ),
     ] = None,
     n_predict: Annotated[
@@ -837,8 +857,7 @@ def bench(
             "--n-predict",
             min=1,
             metavar="N",
-            help="Tokens per generation.",
-            show_default=str(BenchOptions.n_predict),
+            help=described("Tokens per generation.", BenchOptions.n_predict),
         ),
     ] = None,
     repeat: Annotated[
@@ -847,8 +866,7 @@ def bench(
             "--repeat",
             min=1,
             metavar="N",
-            help="Repeats of the whole set.",
-            show_default=str(BenchOptions.repeat),
+            help=described("Repeats of the whole set.", BenchOptions.repeat),
         ),
     ] = None,
     temp: temp_option(BenchOptions.temp) = None,
@@ -860,8 +878,7 @@ def bench(
         typer.Option(
             "--seed",
             metavar="N",
-            help="Random seed (sampling only).",
-            show_default=str(BenchOptions.seed),
+            help=described("Random seed (sampling only).", BenchOptions.seed),
         ),
     ] = None,
     ctx_size: CtxOpt = None,
@@ -902,7 +919,9 @@ def bench(
     and reports the speedup a perfect implementation would reach with the measured
     acceptance, so you see why speculation pays or does not.
 
-    Example: specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
+    \b
+    Example:
+      specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
     # Fail now, not after minutes of measuring.
     for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
@@ -1027,17 +1046,30 @@ def check(
 def main() -> None:
     """Console entry point: turn expected failures into one line and an exit code."""
     try:
-        result = app(standalone_mode=False)
+        result = app(standalone_mode=False, prog_name="specdec")
     except UserError as err:
         _fail(str(err), err.exit_code)
     except typer.TyperException as err:  # bad flags: click's usage errors, as typer raises them
-        ctx = getattr(err, "ctx", None)
-        hint = f" (see: {ctx.command_path} --help)" if ctx else ""
-        _fail(f"{err.format_message()}{hint}", err.exit_code)
+        _fail_usage(err)
     except (KeyboardInterrupt, typer.Abort):
-        sys.exit(130)
+        sys.exit(interrupt.EXIT_CODE)
     # With standalone_mode=False, click returns typer.Exit's code instead of exiting.
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _fail_usage(err: typer.TyperException) -> None:
+    # typer raises its own copy of click's exceptions: told apart by name, not by class.
+    if type(err).__name__ == "NoArgsIsHelpError":  # bare `specdec`: the help, as click does
+        print(err.format_message(), file=sys.stderr)
+        sys.exit(err.exit_code)
+    if type(err).__name__ == "NoSuchOption":
+        # click suggests any option a little alike (--bogus: "--verbose"); keep close ones.
+        err.possibilities = difflib.get_close_matches(
+            err.option_name, err.possibilities or [], cutoff=0.8
+        )
+    ctx = getattr(err, "ctx", None)
+    hint = f" (see: {ctx.command_path} --help)" if ctx else ""
+    _fail(f"{err.format_message()}{hint}", err.exit_code)
 
 
 def _fail(message: str, code: int) -> None:

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 from test_cli_run import GREEDY, specdec
 
+from specdec_cli.display import stats_line
+from specdec_cli.stats import FlashAttnChoice, Stats
+
 
 class Terminal:
     """A pseudo-terminal of `columns` columns; `transcript` is all that was written to it."""
@@ -165,3 +168,28 @@ def test_ctrl_c_while_importing_exits_130(target_model: Path, tmp_path: Path) ->
     code, screen = interrupt_when_stalled(IMPORT_IN, args, tmp_path)
     assert code == 130, screen
     assert "Traceback" not in screen and "KeyboardInterrupt" not in screen, screen
+
+
+# --- what the terminal shows ----------------------------------------------------------------
+
+
+def test_stats_line_fits_the_terminal() -> None:
+    """The closing line at 100 columns: whole parts left out, none cut in the middle."""
+    stats = Stats(
+        k="auto", tokens=123456, drafted=999999, accepted=888888, target_passes=54321,
+        seconds=12.5, stop_reason="length", seed=4294967295, last_k=0,
+        flash_attn=FlashAttnChoice("auto", "off"),
+    )  # fmt: skip
+    stats.draft_lengths.update({0: 5, 12: 40})
+    full = stats_line(stats, 1000, final=True).plain
+    assert "(last 0, mean 10.67)" in full and "seed 4294967295" in full
+    line = stats_line(stats, 100, final=True).plain
+    assert len(line) < 100 and "tok/s" in line
+    assert set(line.split("  ")) <= set(full.split("  "))  # whole parts only
+
+
+def test_bench_progress_says_it_is_measuring_costs(target_model: Path, tmp_path: Path) -> None:
+    args = ["bench", "-m", str(target_model), "-d", "ngram", "-k", "1", "-n", "4", "--repeat", "1"]
+    code, screen = run_on_terminal([*args, "-t", "1"], tmp_path / "out.txt")
+    assert code == 0, screen
+    assert "measuring costs" in screen
