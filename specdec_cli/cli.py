@@ -19,7 +19,7 @@ import typer
 from specdec_cli import __version__, interrupt
 from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
 from specdec_cli.chat import ChatOptions, chat_options
-from specdec_cli.config import ModelSpec, PairSpec, load_config
+from specdec_cli.config import ModelSpec, PairSpec, load_config, pair_lines
 from specdec_cli.display import (
     bench_progress,
     load_pyplot,
@@ -40,7 +40,7 @@ from specdec_cli.engine import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
-from specdec_cli.models import NO_DRAFT, locate_draft, locate_model
+from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import Stats
 
@@ -108,16 +108,13 @@ def described(text: str, default: object) -> str:
     return f"{text}  [default: {default}]"
 
 
+MODEL_HELP = (
+    "Target model: a .gguf file, a name from the config (a [models] or [pairs] entry), "
+    "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M)."
+)
 ModelOpt = Annotated[
     str,
-    typer.Option(
-        "-m",
-        "--model",
-        metavar="MODEL",
-        help="Target model: a .gguf file, a name from the config (a [models] or [pairs] "
-        "entry), or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
-        show_default=False,
-    ),
+    typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
 ]
 DRAFT_HELP = (
     "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
@@ -368,7 +365,7 @@ VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's ow
 
 
 def engine_options(
-    model: str,
+    model: str | None,
     drafts: list[str],
     config_path: str | None,
     *,
@@ -398,9 +395,10 @@ def engine_options(
     """Turn the shared options (and the config file's defaults) into EngineOptions: what
     the command line gives, else what the config gives, else the dataclasses' defaults.
 
+    Without a model, the built-in default pair (downloaded on first use).
     Returns the options and the pair's remaining defaults (seed, n_predict)."""
     config = load_config(config_path)
-    spec = config.resolve(model)
+    spec = config.resolve(model) if model else default_pair(config, note)
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
@@ -435,9 +433,16 @@ def engine_options(
             min_p=_pick(min_p, defaults.get("min_p")),
         )
     )
+    try:
+        target = locate_model(target_spec.path, config)
+        draft_path = locate_draft(draft, config) if draft else None
+    except UserError as err:
+        if model:
+            raise
+        raise UserError(f"{err}; or {OWN_MODELS}") from None
     options = EngineOptions(
-        target=locate_model(target_spec.path, config),
-        draft=locate_draft(draft, config) if draft else None,
+        target=target,
+        draft=draft_path,
         ngram=ngram,
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
         n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
@@ -501,7 +506,15 @@ def _given(**values: Any) -> dict[str, Any]:
 
 @app.command()
 def run(
-    model: ModelOpt,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            metavar="MODEL",
+            help=described(MODEL_HELP, "the built-in pair 'default' (see --list-pairs)"),
+        ),
+    ] = None,
     draft: Annotated[
         list[str] | None,
         typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
@@ -634,6 +647,12 @@ def run(
         ),
     ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats.")] = False,
+    list_pairs: Annotated[
+        bool,
+        typer.Option(
+            "--list-pairs", help="List the named pairs (built-in and the config's) and exit."
+        ),
+    ] = False,
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -648,6 +667,9 @@ def run(
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
       specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
     """
+    if list_pairs:
+        print("\n".join(pair_lines(load_config(config))))
+        return
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
     options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
