@@ -8,7 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
 from typing import Annotated, Any
@@ -21,6 +21,8 @@ from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
 from specdec_cli.chat import ChatOptions, chat_options
 from specdec_cli.config import ModelSpec, PairSpec, load_config, pair_lines
 from specdec_cli.display import (
+    DRAFTED_COLOR,
+    TARGET_COLOR,
     bench_progress,
     load_pyplot,
     make_display,
@@ -31,10 +33,12 @@ from specdec_cli.display import (
 )
 from specdec_cli.engine import (
     DEFAULT_MAX_CTX,
+    TARGET,
     DraftOptions,
     Engine,
     EngineOptions,
     GenerationOptions,
+    Piece,
     parse_gpu_layers,
     parse_k,
 )
@@ -646,6 +650,22 @@ def run(
             help="Print one JSON object at the end (text and stats) instead of streaming text.",
         ),
     ] = False,
+    json_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--json-tokens",
+            help="With --json (implied) or --prompts: also each token, its text and who "
+            "chose it (the target, or the drafter whose guess it accepted).",
+        ),
+    ] = False,
+    color: Annotated[
+        bool,
+        typer.Option(
+            "--color",
+            help=f"On a terminal, show accepted draft tokens in {DRAFTED_COLOR} and the "
+            f"target's own in {TARGET_COLOR}.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats.")] = False,
     list_pairs: Annotated[
         bool,
@@ -687,23 +707,38 @@ def run(
         generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
     chat_opts = chat_options(chat, system, messages, chat_template, prompt)
     texts = _read_prompts(prompts) if prompts else {0: _read_prompt(prompt, file, messages)}
-    for message in ignored_options(options, k):
+    as_json = as_json or (json_tokens and not prompts)
+    for message in ignored_options(options, k, color and not as_json):
         warn(message)
     # Say why the first -k auto run pauses (a person, or a log, would wonder).
     with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
         if prompts:
-            _run_many(engine, texts, generation, tuple(stop or ()), chat_opts)
+            _run_many(engine, texts, generation, tuple(stop or ()), chat_opts, json_tokens)
         else:
-            _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, as_json, quiet)
+            output = Output(as_json, json_tokens, color, quiet)
+            _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, output)
 
 
-def ignored_options(options: EngineOptions, k: str | None) -> list[str]:
+def ignored_options(options: EngineOptions, k: str | None, color: bool) -> list[str]:
     """Options that would do nothing as given: one warning line each."""
+    out = []
     if k is not None and options.draft is None and not options.ngram:
-        return [f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram"]
-    return []
+        out.append(f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram")
+    if color and not sys.stdout.isatty():
+        out.append("--color colours text on a terminal only; stdout is not one")
+    return out
+
+
+@dataclass(frozen=True)
+class Output:
+    """How `run` shows one generation."""
+
+    as_json: bool = False
+    json_tokens: bool = False
+    color: bool = False
+    quiet: bool = False
 
 
 @contextmanager
@@ -786,27 +821,39 @@ def _run_one(
     generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
-    as_json: bool,
-    quiet: bool,
+    output: Output,
 ) -> None:
     tokens = engine.tokenize(text, chat)
     stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
-    display = make_display(stats, as_json, quiet)
-    pieces: list[str] = []
+    display = make_display(stats, output.as_json, output.quiet, output.color)
+    pieces: list[Piece] = []
     rng = np.random.default_rng(generation.seed)
     try:
         with interrupt.generating():
-            for piece in engine.generate(tokens, generation.n_predict, rng, stats, stop):
+            for piece in engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop):
                 pieces.append(piece)
-                display.text(piece)
+                if piece.text:
+                    display.text(piece.text, drafted=piece.by != TARGET)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
     display.finish()
-    if as_json:
-        record = {"text": "".join(pieces), "seed": generation.seed, **stats.to_dict()}
+    if output.as_json:
+        record = {"text": "".join(p.text for p in pieces), "seed": generation.seed}
+        record |= stats.to_dict()
+        if output.json_tokens:
+            record["token_list"] = token_records(engine, pieces)
         print(json.dumps(record))
     if stats.stop_reason == "interrupted":
         raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def token_records(engine: Engine, pieces: list[Piece]) -> list[dict[str, object]]:
+    """--json-tokens: each token's id, its own text, and who chose it."""
+    return [
+        {"id": p.token, "text": engine.model.piece(p.token).decode(errors="replace"), "by": p.by}
+        for p in pieces
+        if p.token is not None
+    ]
 
 
 def line_seed(seed: int, line: int) -> int:
@@ -822,6 +869,7 @@ def _run_many(
     generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
+    json_tokens: bool,
 ) -> None:
     """One JSON line per prompt, each with a seed of its own derived from --seed."""
     for line, text in texts.items():
@@ -831,10 +879,15 @@ def _run_many(
         rng = np.random.default_rng(seed)
         try:
             with interrupt.generating():
-                out = "".join(engine.generate(tokens, generation.n_predict, rng, stats, stop))
+                pieces = list(
+                    engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop)
+                )
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
+        out = "".join(p.text for p in pieces)
         record = {"index": line, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
+        if json_tokens:
+            record["token_list"] = token_records(engine, pieces)
         print(json.dumps(record), flush=True)
 
 

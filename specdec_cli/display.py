@@ -67,31 +67,50 @@ def stats_line(stats: Stats, width: int, final: bool = False) -> Text:
     return line
 
 
+# --color: accepted draft tokens in one colour, the target's own in another.
+DRAFTED_COLOR, TARGET_COLOR = "green", "yellow"
+_SGR = {DRAFTED_COLOR: "\x1b[32m", TARGET_COLOR: "\x1b[33m"}  # ANSI foreground colours
+_RESET = "\x1b[0m"
+
+
 class Display(Protocol):
     """Shows generated text as it comes, and the Stats it was given as they change."""
 
-    def text(self, chunk: str) -> None: ...
+    def text(self, chunk: str, drafted: bool = False) -> None: ...
 
     def finish(self) -> None: ...
+
+
+def _style(drafted: bool, color: bool) -> str:
+    """The colour of a piece of text ("" for none)."""
+    if not color:
+        return ""
+    return DRAFTED_COLOR if drafted else TARGET_COLOR
+
+
+def _write_stdout(chunk: str, style: str) -> None:
+    sys.stdout.write(f"{_SGR[style]}{chunk}{_RESET}" if style else chunk)
+    sys.stdout.flush()
 
 
 class PlainDisplay:
     """Text straight to stdout; one summary line on stderr at the end."""
 
-    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(
+        self, stats: Stats, show_text: bool = True, summary: bool = True, color: bool = False
+    ) -> None:
         self.stats = stats
         self.show_text = show_text
         self.summary = summary
+        self.color = color
 
-    def text(self, chunk: str) -> None:
+    def text(self, chunk: str, drafted: bool = False) -> None:
         if self.show_text:
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+            _write_stdout(chunk, _style(drafted, self.color))
 
     def finish(self) -> None:
         if self.show_text:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _write_stdout("\n", "")
         if self.summary:
             print(f"specdec: {self.stats.summary()}", file=sys.stderr)
 
@@ -112,13 +131,16 @@ class LiveDisplay:
     text streams token by token without the two fighting over the cursor.
     """
 
-    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(
+        self, stats: Stats, show_text: bool = True, summary: bool = True, color: bool = False
+    ) -> None:
         self.console = Console(stderr=True)
         self.stats = stats  # read at each refresh, as the decode loop updates it
         self.show_text = show_text
         self.summary = summary
+        self.color = color
         self.text_in_live = show_text and same_terminal(sys.stdout, sys.stderr)
-        self._line = ""
+        self._line = Text()
         # rich's Live would otherwise capture stdout and print it on stderr's console:
         # `specdec run ... > out.txt` must leave the text in out.txt.
         self.live = Live(
@@ -132,36 +154,43 @@ class LiveDisplay:
         self.live.start()
 
     def _render(self) -> Group:
-        parts = [Text(self._line)] if self._line else []
+        parts = [self._line] if self._line else []
         return Group(*parts, stats_line(self.stats, self.console.width))
 
-    def text(self, chunk: str) -> None:
+    def text(self, chunk: str, drafted: bool = False) -> None:
         if not self.show_text:
             return
+        style = _style(drafted, self.color)
         if not self.text_in_live:
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+            _write_stdout(chunk, style)
             return
-        *done, self._line = (self._line + chunk).split("\n")
-        for line in done:
-            self.console.print(line, markup=False, highlight=False, emoji=False)
+        first, *rest = chunk.split("\n")
+        self._line.append(first, style=style)
+        for line in rest:
+            self._print_line()
+            self._line.append(line, style=style)
+
+    def _print_line(self) -> None:
+        self.console.print(self._line, highlight=False, emoji=False)
+        self._line = Text()
 
     def finish(self) -> None:
         self.live.stop()
         if self.text_in_live:
-            self.console.print(self._line, markup=False, highlight=False, emoji=False)
+            self._print_line()
         elif self.show_text:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _write_stdout("\n", "")
         if self.summary:
             self.console.print(stats_line(self.stats, self.console.width, final=True))
 
 
-def make_display(stats: Stats, as_json: bool, quiet: bool) -> Display:
-    """Live stats on a terminal unless quiet; with --json the JSON replaces text and summary."""
+def make_display(stats: Stats, as_json: bool, quiet: bool, color: bool = False) -> Display:
+    """Live stats on a terminal unless quiet; with --json the JSON replaces text and summary.
+    `color` (who chose each token) only where the text goes to a terminal."""
+    color = color and not as_json and sys.stdout.isatty()
     if not quiet and sys.stderr.isatty():
-        return LiveDisplay(stats, show_text=not as_json, summary=not as_json)
-    return PlainDisplay(stats, show_text=not as_json, summary=not (as_json or quiet))
+        return LiveDisplay(stats, show_text=not as_json, summary=not as_json, color=color)
+    return PlainDisplay(stats, show_text=not as_json, summary=not (as_json or quiet), color=color)
 
 
 BENCH_COLUMNS = (

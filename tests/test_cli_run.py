@@ -411,3 +411,14 @@ def test_help_says_each_default_once(command: str) -> None:
     assert f"[default: {expected}]" in " ".join(temp.split())
     for option in options:
         assert " ".join(option.split()).count("[default:") <= 1, option
+
+
+def test_json_tokens_say_who_chose_each_token(target_model: Path, draft_model: Path) -> None:
+    args = ["run", "-m", str(target_model), "-d", str(draft_model), "-k", "3", "--json-tokens"]
+    record = json.loads(specdec(*args, "-p", "Once upon a time", "-n", "30", *GREEDY).stdout)
+    tokens = record["token_list"]
+    assert len(tokens) == record["tokens"] == 30
+    assert "".join(t["text"] for t in tokens) == record["text"]
+    by = [t["by"] for t in tokens]
+    assert by.count("model") == record["accepted"] > 0
+    assert by.count("target") == record["target_passes"]  # one of its own per pass

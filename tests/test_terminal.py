@@ -193,3 +193,20 @@ def test_bench_progress_says_it_is_measuring_costs(target_model: Path, tmp_path:
     code, screen = run_on_terminal([*args, "-t", "1"], tmp_path / "out.txt")
     assert code == 0, screen
     assert "measuring costs" in screen
+
+
+def test_color_shows_who_chose_each_token_on_a_terminal_only(
+    target_model: Path, draft_model: Path, tmp_path: Path
+) -> None:
+    args = ["run", "-m", str(target_model), "-d", str(draft_model), "-k", "3", "--color"]
+    args += ["-p", "Once upon a time", "-n", "30", *GREEDY]
+    terminal = Terminal()
+    process = spawn(args, terminal, terminal.slave)  # stdout on the terminal too
+    assert process.wait(timeout=120) == 0
+    screen = terminal.close()
+    drafted, own = "\x1b[32m", "\x1b[33m"  # green, yellow
+    assert drafted in screen and own in screen
+    code, screen = run_on_terminal(args, tmp_path / "out.txt")  # stdout to a file
+    assert code == 0
+    assert "\x1b" not in (tmp_path / "out.txt").read_text()
+    assert "--color colours text on a terminal only" in screen
