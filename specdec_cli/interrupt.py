@@ -33,6 +33,7 @@ class _State:
     installed = False
     generating = False  # Ctrl-C raises KeyboardInterrupt (see `generating` below)
     taken = threading.Event()  # the main thread raised KeyboardInterrupt for a Ctrl-C
+    done = threading.Event()  # generation ended (normally, or by that KeyboardInterrupt)
     sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process
 
 
@@ -52,11 +53,13 @@ def install() -> None:
 @contextmanager
 def generating() -> Iterator[None]:
     """While generating, Ctrl-C raises KeyboardInterrupt: the caller prints what it has."""
+    _State.done.clear()
     _State.generating = True
     try:
         yield
     finally:
         _State.generating = False
+        _State.done.set()
 
 
 def _on_sigint(signum: int, frame: object) -> None:
@@ -74,9 +77,15 @@ def _watch(receiver: socket.socket) -> None:
             return
         if signal.SIGINT not in data:
             continue
-        if not _State.generating or not _State.taken.wait(GRACE_SECONDS):
+        # The main thread may have taken it already, and even left generation since.
+        generating = _State.generating
+        if not (_State.taken.wait(GRACE_SECONDS) if generating else _State.taken.is_set()):
             exit_now()
         _State.taken.clear()
+        # Raised inside a callback from C, the KeyboardInterrupt is lost: then generation
+        # goes on, and this ends it.
+        if not _State.done.wait(2 * GRACE_SECONDS):
+            exit_now()
 
 
 def exit_now() -> NoReturn:

@@ -210,3 +210,24 @@ def test_color_shows_who_chose_each_token_on_a_terminal_only(
     assert code == 0
     assert "\x1b" not in (tmp_path / "out.txt").read_text()
     assert "--color colours text on a terminal only" in screen
+
+
+def test_ctrl_c_while_generating_prints_the_stats(target_model: Path, tmp_path: Path) -> None:
+    """A real SIGINT after 5 tokens: the text so far, the stats, exit 130."""
+    stand_in = """
+import time
+from specdec_cli.engine import Engine
+generate_pieces = Engine.generate_pieces
+def slow_after_five(self, *args, **kwargs):
+    for i, piece in enumerate(generate_pieces(self, *args, **kwargs)):
+        yield piece
+        if i == 4:
+            mark()
+            time.sleep(300)
+Engine.generate_pieces = slow_after_five
+"""
+    args = ["run", "-m", str(target_model), "-p", "Once", "-n", "50", *GREEDY]
+    code, screen = interrupt_when_stalled(stand_in, args, tmp_path)
+    assert code == 130, screen
+    assert "5 tokens" in screen and "stop: interrupted" in screen
+    assert "Traceback" not in screen
