@@ -45,6 +45,7 @@ from specdec_cli.engine import (
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
 from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
+from specdec_cli.prompts import read_prompt, read_prompts
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import Stats
 
@@ -706,7 +707,7 @@ def run(
     if generation.seed < 0:
         generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
     chat_opts = chat_options(chat, system, messages, chat_template, prompt)
-    texts = _read_prompts(prompts) if prompts else {0: _read_prompt(prompt, file, messages)}
+    texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
         warn(message)
@@ -757,62 +758,6 @@ def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max:
     longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
     longest_prompt = max(len(t.encode()) for t in texts.values()) + 2  # tokens <= bytes + BOS
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
-
-
-def _read_prompt(prompt: str | None, file: Path | None, messages: str | None) -> str | None:
-    """The prompt from -p, -f or stdin; None when --messages gives the conversation and
-    neither -p nor -f is given (stdin is then left alone). Never empty: generating from
-    BOS alone is not what anyone asks for."""
-    if prompt is not None and file is not None:
-        raise UserError("give the prompt with -p or with -f, not both")
-    # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
-    if file is not None:
-        text, origin = _read_text(file).removesuffix("\n"), str(file)
-    elif prompt is None and messages is not None:
-        return None
-    elif prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        text, origin = _decode(sys.stdin.buffer.read(), "stdin").removesuffix("\n"), "stdin"
-    elif prompt is None:
-        raise UserError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
-    else:
-        text, origin = prompt, "-p"
-    if not text:
-        raise UserError(f"the prompt ({origin}) is empty; give some text with -p, -f or stdin")
-    return text
-
-
-def _read_prompts(path: Path) -> dict[int, str]:
-    """The prompts of a --prompts file by line number (from 1); blank lines are skipped."""
-    lines = {
-        number: line
-        for number, line in enumerate(_read_text(path).splitlines(), start=1)
-        if line.strip()
-    }
-    if not lines:
-        raise UserError(f"{path} has no prompts; write one prompt per line")
-    return lines
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return _decode(path.read_bytes(), str(path))
-    except FileNotFoundError:
-        raise UserError(f"file not found: {path}; check the path") from None
-    except OSError as err:
-        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
-
-
-def _decode(data: bytes, origin: str) -> str:
-    """UTF-8 text; other bytes (a Latin-1 file, binary input) become U+FFFD, said once."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        warn(
-            f"{origin} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
-            "bytes that are not UTF-8 were replaced with U+FFFD (convert the text to UTF-8 "
-            "to keep them)"
-        )
-        return data.decode("utf-8", errors="replace")
 
 
 def _run_one(
@@ -1016,7 +961,7 @@ def bench(
     ks = [x.strip() for x in plan.ks.split(",") if x.strip()]
     variant_list = variants(kinds, ks)
     texts = (
-        {f"line {n}": t for n, t in _read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
+        {f"line {n}": t for n, t in read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
     )
     flags = shared_options(locals())
     flags["temp"] = _pick(temp, BenchOptions.temp)
