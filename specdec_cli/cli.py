@@ -693,6 +693,9 @@ def run(
         return
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
+    # The input first: a typo there must not wait for models to load (or download).
+    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
+    texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
     generation = GenerationOptions(
         **_given(
@@ -706,8 +709,6 @@ def run(
         )
     if generation.seed < 0:
         generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
-    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
-    texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
         warn(message)
