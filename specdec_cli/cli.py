@@ -625,7 +625,11 @@ def run(
         typer.Option(
             "--seed",
             metavar="N",
-            help=described("Random seed; -1 picks one (and reports it).", GenerationOptions.seed),
+            help=described(
+                "Random seed; -1 picks one (and reports it). Sampled text repeats exactly "
+                "with a fixed -k (-k auto follows measured timings).",
+                GenerationOptions.seed,
+            ),
         ),
     ] = None,
     ctx_size: CtxOpt = None,
