@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec_cli import costmodel
+from specdec_cli import __version__, backend, costmodel, machine
 from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
 from specdec_cli.engine import Engine, parse_k
@@ -33,6 +33,20 @@ BUILTIN_PROMPTS = {
 }
 
 WARMUP_TOKENS = 16
+# Past these, the figures say more about the machine's load than about speculation.
+EFFICIENCY_LIMIT = 1.1  # speedup / ideal: the ideal is a bound, up to noise
+DRIFT_LIMIT = 0.1  # the target alone's tokens/s, between its slowest and fastest repeat
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """`specdec bench`'s defaults: greedy, so that every variant makes the same text."""
+
+    ks: str = "1,2,4,8"
+    n_predict: int = 128
+    repeat: int = 3
+    temp: float = 0.0
+    seed: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,6 +93,7 @@ class BenchReport:
     n_predict: int
     repeat: int
     flash_attn: FlashAttnChoice
+    setup: dict[str, object] = field(default_factory=dict)  # what reproduces it (see run_bench)
 
     @property
     def baseline(self) -> VariantResult:
@@ -140,6 +155,28 @@ class BenchReport:
             )
         return f"speculation does not pay here ({gain:.2f}x at best): " + "; ".join(reason)
 
+    def warnings(self) -> list[str]:
+        """Why the figures cannot be trusted, if they cannot: the machine's speed changed."""
+        out = []
+        speeds = self.baseline.repeat_speeds(len(self.prompts))
+        drift = max(speeds) / min(speeds) - 1.0 if min(speeds) > 0 else 0.0
+        if drift > DRIFT_LIMIT:
+            out.append(
+                f"the target alone ran at {min(speeds):.1f}-{max(speeds):.1f} tok/s across "
+                f"repeats ({drift:.0%} apart): the machine's speed changed while measuring"
+            )
+        for result in self.results[1:]:
+            ideal = self.ideal_speedup(result)
+            if ideal and self.speedup(result) / ideal > EFFICIENCY_LIMIT:
+                out.append(
+                    f"{result.variant.name} beat the ideal speedup "
+                    f"({self.speedup(result) / ideal:.0%} efficiency): its costs were measured "
+                    "on a machine of another speed"
+                )
+        if out:
+            out.append("these figures are not trustworthy; rerun on an idle machine")
+        return out
+
     def to_dict(self) -> dict[str, object]:
         base = self.baseline
         return {
@@ -148,11 +185,13 @@ class BenchReport:
                 "repeat": self.repeat,
                 "prompts": self.prompts,
                 "flash_attn": self.flash_attn.to_dict(),
+                **self.setup,
             },
             "baseline": self.variant_dict(base),
             "runs": [self.variant_dict(r) for r in self.results[1:]],
             "best": self.best().variant.name,
             "verdict": self.verdict(),
+            "warnings": self.warnings(),
             "cost": self.costs.to_dict(),
         }
 
@@ -202,21 +241,34 @@ def variants(drafters: Sequence[str], ks: Sequence[str]) -> list[Variant]:
     return [Variant(None), *(Variant(d, k) for d in drafters for k in ks)]
 
 
+def environment() -> dict[str, object]:
+    """The software and machine a benchmark ran on."""
+    from llama_cpp import __version__ as binding
+
+    return {
+        "specdec": __version__,
+        "llama_cpp_python": binding,
+        "backends": list(backend.backend_names()),
+        "cpu": machine.cpu_name(),
+    }
+
+
 def run_bench(
     engine: Engine,
     variant_list: list[Variant],
     prompts: dict[str, str],
-    n_predict: int,
-    repeat: int,
-    seed: int,
-    advance: Callable[[str], None] = lambda name: None,
+    options: BenchOptions,
+    advance: Callable[[str, int], None] = lambda name, steps: None,
 ) -> BenchReport:
-    """Measure every variant on every prompt, `repeat` times, interleaved."""
+    """Measure every variant on every prompt, `repeat` times, interleaved. `advance`
+    hears what is being done and how many of the runs it finished."""
+    n_predict, repeat, seed = options.n_predict, options.repeat, options.seed
     tokenized = [engine.tokenize(p) for p in prompts.values()]
     first_prompt = tokenized[0]
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
 
     def measure(reps: int) -> Costs:
+        advance("measuring costs", 0)
         # At a typical position of the runs (mid-output); -k auto decoders start from it.
         return engine.measure_costs(range(1, max_batch + 1), reps, 16 + n_predict // 2)
 
@@ -224,6 +276,7 @@ def run_bench(
     # describe the same machine, in the same moods, as the runs.
     measured = [measure(reps=5)]
     decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
+    advance("warming up", 0)
     for decoder in decoders:  # warm-up, not counted
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
     results = [VariantResult(v) for v in variant_list]
@@ -235,10 +288,11 @@ def run_bench(
             for i in order[shift:] + order[:shift]:
                 stats = _generate(decoders[i], prompt, n_predict, seed + r)
                 results[i].runs.append(stats)
-                advance(variant_list[i].name)
+                advance(variant_list[i].name, 1)
         measured.append(measure(reps=5))
     costs = costmodel.median_costs(measured)
-    return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn)
+    setup = {**engine.describe(), **environment()}
+    return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn, setup)
 
 
 def _max_k(engine: Engine, variant: Variant) -> int:

@@ -2,23 +2,27 @@
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from enum import Enum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import numpy as np
 import typer
 
-from specdec_cli import __version__
-from specdec_cli.bench import BUILTIN_PROMPTS, run_bench, variants
+from specdec_cli import __version__, interrupt
+from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
 from specdec_cli.chat import ChatOptions, chat_options
-from specdec_cli.config import ModelSpec, PairSpec, load_config
+from specdec_cli.config import ModelSpec, PairSpec, load_config, pair_lines
 from specdec_cli.display import (
+    DRAFTED_COLOR,
+    TARGET_COLOR,
     bench_progress,
     load_pyplot,
     make_display,
@@ -27,10 +31,21 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions, parse_gpu_layers, parse_k
+from specdec_cli.engine import (
+    DEFAULT_MAX_CTX,
+    TARGET,
+    DraftOptions,
+    Engine,
+    EngineOptions,
+    GenerationOptions,
+    Piece,
+    parse_gpu_layers,
+    parse_k,
+)
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
-from specdec_cli.models import locate_draft, locate_model
+from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
+from specdec_cli.prompts import read_prompt, read_prompts
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import Stats
 
@@ -38,6 +53,7 @@ app = typer.Typer(
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
     help="Lossless speculative decoding for llama.cpp GGUF models.",
 )
@@ -87,30 +103,40 @@ def _main_options(
 
 
 # Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
+# Defaults live in the dataclasses (EngineOptions, DraftOptions, SamplingParams, ...): an
+# option defaults to None, so that a config file can fill in what the command line left
+# out, and its help says the dataclass's value (see `described`).
+
+
+def described(text: str, default: object) -> str:
+    """An option's help, ending with its default, said once."""
+    return f"{text}  [default: {default}]"
+
+
+MODEL_HELP = (
+    "Target model: a .gguf file, a name from the config (a [models] or [pairs] entry), "
+    "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M)."
+)
 ModelOpt = Annotated[
     str,
-    typer.Option(
-        "-m",
-        "--model",
-        help="Target model: a .gguf file, a name from the config (a \\[models] or \\[pairs] "
-        "entry), or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M).",
-    ),
+    typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
 ]
-DraftOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "-d",
-        "-md",
-        "--draft",
-        help="Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
-        "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
-        "first, the model where the text offers nothing to copy.",
-    ),
-]
+DRAFT_HELP = (
+    "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
+    "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
+    "first, the model where the text offers nothing to copy."
+)
 CtxOpt = Annotated[
     int | None,
     typer.Option(
-        "-c", "--ctx-size", min=0, help="Context size in tokens (0: the model's own, at most 4096)."
+        "-c",
+        "--ctx-size",
+        min=0,
+        metavar="N",
+        help=described(
+            f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
+            EngineOptions.n_ctx,
+        ),
     ),
 ]
 BatchOpt = Annotated[
@@ -119,9 +145,12 @@ BatchOpt = Annotated[
         "-b",
         "--batch-size",
         min=1,
-        help="Most tokens one decode call takes; a round's draft is verified in one "
-        f"call, so drafts stop at this minus 1. [default: {EngineOptions.n_batch}]",
-        show_default=False,
+        metavar="N",
+        help=described(
+            "Most tokens one decode call takes; a round's draft is verified in one "
+            "call, so drafts stop at this minus 1.",
+            EngineOptions.n_batch,
+        ),
     ),
 ]
 UBatchOpt = Annotated[
@@ -130,18 +159,28 @@ UBatchOpt = Annotated[
         "-ub",
         "--ubatch-size",
         min=1,
-        help=f"Most tokens one compute graph takes. [default: {EngineOptions.n_ubatch}]",
-        show_default=False,
+        metavar="N",
+        help=described("Most tokens one compute graph takes.", EngineOptions.n_ubatch),
     ),
 ]
 ThreadsOpt = Annotated[
     int | None,
-    typer.Option("-t", "--threads", min=0, help="CPU threads for the target (0: physical cores)."),
+    typer.Option(
+        "-t",
+        "--threads",
+        min=0,
+        metavar="N",
+        help=described("CPU threads for the target (0: physical cores).", EngineOptions.threads),
+    ),
 ]
 ThreadsDraftOpt = Annotated[
     int | None,
     typer.Option(
-        "-td", "--threads-draft", min=0, help="CPU threads for the draft (default: as -t)."
+        "-td",
+        "--threads-draft",
+        min=0,
+        metavar="N",
+        help=described("CPU threads for the draft.", "as -t"),
     ),
 ]
 NglOpt = Annotated[
@@ -149,8 +188,11 @@ NglOpt = Annotated[
     typer.Option(
         "-ngl",
         "--n-gpu-layers",
-        help="Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'. "
-        "(default: all the build can offload)",
+        metavar="N",
+        help=described(
+            "Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
+            "all the build can offload",
+        ),
     ),
 ]
 NgldOpt = Annotated[
@@ -158,7 +200,8 @@ NgldOpt = Annotated[
     typer.Option(
         "-ngld",
         "--n-gpu-layers-draft",
-        help="Draft layers to offload to the GPU, as -ngl. (default: all)",
+        metavar="N",
+        help=described("Draft layers to offload to the GPU, as -ngl.", "all"),
     ),
 ]
 DeviceOpt = Annotated[
@@ -166,14 +209,20 @@ DeviceOpt = Annotated[
     typer.Option(
         "-dev",
         "--device",
-        help="Device(s) for the target, comma-separated ('none': no offload; "
-        "see --list-devices). (default: every GPU)",
+        metavar="DEVICES",
+        help=described(
+            "Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
+            "every GPU",
+        ),
     ),
 ]
 DeviceDraftOpt = Annotated[
     str | None,
     typer.Option(
-        "-devd", "--device-draft", help="Device(s) for the draft model, as -dev. (default: as -dev)"
+        "-devd",
+        "--device-draft",
+        metavar="DEVICES",
+        help=described("Device(s) for the draft model, as -dev.", "as -dev"),
     ),
 ]
 RepackOpt = Annotated[
@@ -181,9 +230,10 @@ RepackOpt = Annotated[
     typer.Option(
         "--repack/--no-repack",
         " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
-        help="Repack weights for the CPU's fastest kernels. (default: on, unless a test run "
-        "shows that they crash on this CPU)",
-        show_default=False,
+        help=described(
+            "Repack weights for the CPU's fastest kernels.",
+            "on, unless a test run shows that they crash on this CPU",
+        ),
     ),
 ]
 
@@ -199,16 +249,37 @@ FlashOpt = Annotated[
     typer.Option(
         "-fa",
         "--flash-attn",
-        help="Flash attention; auto: whichever measures faster on this machine "
-        "(once per model and settings). (default: auto)",
+        metavar="on|off|auto",
+        help=described(
+            "Flash attention; auto: whichever measures faster on this machine "
+            "(once per model and settings).",
+            EngineOptions.flash_attn,
+        ),
     ),
 ]
-TempOpt = Annotated[
-    float | None, typer.Option("--temp", min=0.0, help="Temperature; 0 is greedy. (default: 0.8)")
-]
+
+
+def temp_option(default: float) -> Any:
+    """--temp, whose default differs: sampling for `run`, greedy for `bench`."""
+    return Annotated[
+        float | None,
+        typer.Option(
+            "--temp",
+            min=0.0,
+            metavar="T",
+            help=described("Temperature; 0 is greedy.", default),
+        ),
+    ]
+
+
 TopKOpt = Annotated[
     int | None,
-    typer.Option("--top-k", min=0, help="Keep the k most likely tokens; 0 is off. (default: 40)"),
+    typer.Option(
+        "--top-k",
+        min=0,
+        metavar="N",
+        help=described("Keep the k most likely tokens; 0 is off.", SamplingParams.top_k),
+    ),
 ]
 TopPOpt = Annotated[
     float | None,
@@ -216,7 +287,10 @@ TopPOpt = Annotated[
         "--top-p",
         min=0.0,
         max=1.0,
-        help="Keep the smallest set with this much mass; 1 is off. (default: 0.95)",
+        metavar="P",
+        help=described(
+            "Keep the smallest set with this much mass; 1 is off.", SamplingParams.top_p
+        ),
     ),
 ]
 MinPOpt = Annotated[
@@ -225,50 +299,78 @@ MinPOpt = Annotated[
         "--min-p",
         min=0.0,
         max=1.0,
-        help="Drop tokens below min-p x the top probability; 0 is off. (default: 0.05)",
+        metavar="P",
+        help=described(
+            "Drop tokens below min-p x the top probability; 0 is off.", SamplingParams.min_p
+        ),
     ),
 ]
-SeedOpt = Annotated[
-    int | None,
-    typer.Option("--seed", help="Random seed; -1 picks one (and reports it). (default: -1)"),
-]
 DraftMaxOpt = Annotated[
-    int, typer.Option("--draft-max", min=1, help="With -k auto: the longest draft.")
+    int | None,
+    typer.Option(
+        "--draft-max",
+        min=1,
+        metavar="N",
+        help=described("With -k auto: the longest draft.", DraftOptions.draft_max),
+    ),
 ]
 DraftMinOpt = Annotated[
-    int, typer.Option("--draft-min", min=0, help="With -k auto: the shortest draft.")
+    int | None,
+    typer.Option(
+        "--draft-min",
+        min=0,
+        metavar="N",
+        help=described("With -k auto: the shortest draft.", DraftOptions.draft_min),
+    ),
 ]
 DraftPMinOpt = Annotated[
-    float,
+    float | None,
     typer.Option(
         "--draft-p-min",
         min=0.0,
         max=1.0,
-        help="Stop drafting when the draft's top probability falls below this.",
+        metavar="P",
+        help=described(
+            "Stop drafting when the draft's top probability falls below this.", DraftOptions.p_min
+        ),
     ),
 ]
 NgramMinOpt = Annotated[
-    int, typer.Option("--ngram-min", min=1, help="With -d ngram: the shortest n-gram to look up.")
+    int | None,
+    typer.Option(
+        "--ngram-min",
+        min=1,
+        metavar="N",
+        help=described("With -d ngram: the shortest n-gram to look up.", DraftOptions.ngram_min),
+    ),
 ]
 NgramMaxOpt = Annotated[
-    int,
+    int | None,
     typer.Option(
-        "--ngram-max", min=1, help="With -d ngram: the longest n-gram to look up (tried first)."
+        "--ngram-max",
+        min=1,
+        metavar="N",
+        help=described(
+            "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
+        ),
     ),
 ]
 ConfigOpt = Annotated[
     str | None,
     typer.Option(
         "--config",
-        help="Config file of named models "
-        "and pairs (default: $SPECDEC_CONFIG, then the user config dir).",
+        metavar="FILE",
+        help=described(
+            "Config file of named models and pairs.",
+            "$SPECDEC_CONFIG, then models.toml in the user config dir",
+        ),
     ),
 ]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 
 
 def engine_options(
-    model: str,
+    model: str | None,
     drafts: list[str],
     config_path: str | None,
     *,
@@ -288,56 +390,81 @@ def engine_options(
     top_k: int | None,
     top_p: float | None,
     min_p: float | None,
-    draft_max: int,
-    draft_min: int,
-    draft_p_min: float,
-    ngram_min: int,
-    ngram_max: int,
+    draft_max: int | None,
+    draft_min: int | None,
+    draft_p_min: float | None,
+    ngram_min: int | None,
+    ngram_max: int | None,
     verbose: bool,
 ) -> tuple[EngineOptions, dict[str, int]]:
-    """Turn the shared options (and the config file's defaults) into EngineOptions.
+    """Turn the shared options (and the config file's defaults) into EngineOptions: what
+    the command line gives, else what the config gives, else the dataclasses' defaults.
 
+    Without a model, the built-in default pair (downloaded on first use).
     Returns the options and the pair's remaining defaults (seed, n_predict)."""
     config = load_config(config_path)
-    spec = config.resolve(model)
+    spec = config.resolve(model) if model else default_pair(config, note)
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
     draft, ngram = split_drafts(drafts)
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
-    if k is None:
-        k = str(pair.k) if pair and pair.k else "auto"
-    if draft_min > draft_max:
-        raise UserError(f"--draft-min ({draft_min}) is above --draft-max ({draft_max})")
-    if ngram_min > ngram_max:
-        raise UserError(f"--ngram-min ({ngram_min}) is above --ngram-max ({ngram_max})")
+    drafting = DraftOptions(
+        **_given(
+            k=_pick(k, pair.k if pair else None),
+            draft_min=draft_min,
+            draft_max=draft_max,
+            p_min=draft_p_min,
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
+        )
+    )
+    parse_k(drafting.k)
+    if drafting.draft_min > drafting.draft_max:
+        raise UserError(
+            f"--draft-min ({drafting.draft_min}) is above --draft-max ({drafting.draft_max})"
+        )
+    if drafting.ngram_min > drafting.ngram_max:
+        raise UserError(
+            f"--ngram-min ({drafting.ngram_min}) is above --ngram-max ({drafting.ngram_max})"
+        )
     draft_spec = config.resolve(draft) if draft and draft.lower() != "none" else None
     sampling = SamplingParams(
-        temp=_pick(temp, defaults.get("temp"), 0.8),
-        top_k=int(_pick(top_k, defaults.get("top_k"), 40)),
-        top_p=_pick(top_p, defaults.get("top_p"), 0.95),
-        min_p=_pick(min_p, defaults.get("min_p"), 0.05),
+        **_given(
+            temp=_pick(temp, defaults.get("temp")),
+            top_k=_pick(top_k, defaults.get("top_k")),
+            top_p=_pick(top_p, defaults.get("top_p")),
+            min_p=_pick(min_p, defaults.get("min_p")),
+        )
     )
-    parse_k(k)
+    try:
+        target = locate_model(target_spec.path, config)
+        draft_path = locate_draft(draft, config) if draft else None
+    except UserError as err:
+        if model:
+            raise
+        raise UserError(f"{err}; or {OWN_MODELS}") from None
     options = EngineOptions(
-        target=locate_model(target_spec.path, config),
-        draft=locate_draft(draft, config) if draft else None,
+        target=target,
+        draft=draft_path,
         ngram=ngram,
-        n_ctx=_pick(ctx_size, target_spec.n_ctx, 0),
-        n_batch=_pick(batch_size, EngineOptions.n_batch),
-        n_ubatch=_pick(ubatch_size, EngineOptions.n_ubatch),
-        threads=_pick(threads, target_spec.threads, 0),
-        threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None), 0),
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
         n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
         device=device,
         device_draft=device_draft,
         repack=repack,
-        flash_attn=FlashAttn(_pick(flash_attn, EngineOptions.flash_attn)).value,
         verbose=verbose,
         sampling=sampling,
-        drafting=DraftOptions(k, draft_min, draft_max, draft_p_min, ngram_min, ngram_max),
+        drafting=drafting,
+        **_given(
+            n_ctx=_pick(ctx_size, target_spec.n_ctx),
+            n_batch=batch_size,
+            n_ubatch=ubatch_size,
+            threads=_pick(threads, target_spec.threads),
+            threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None)),
+            flash_attn=FlashAttn(flash_attn).value if flash_attn else None,
+        ),
     )
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
 
@@ -354,6 +481,8 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
     models = [d for d in drafts if d.lower() != "ngram"]
     if len(models) > 1:
         raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
+    if models and models[0].lower() == NO_DRAFT and len(drafts) > 1:
+        raise UserError("-d none runs the target alone; it cannot go with -d ngram (keep one)")
     return (models[0] if models else None), len(models) < len(drafts)
 
 
@@ -370,22 +499,42 @@ def shared_options(command_args: dict[str, object]) -> dict[str, object]:
     return {name: command_args[name] for name in SHARED_OPTIONS}
 
 
-def _pick(*values):
-    """The first value that is not None: the command line, then the config, then the default."""
-    return next(v for v in values if v is not None)
+def _pick(*values: Any) -> Any:
+    """The first value that is not None (the command line, then the config), else None."""
+    return next((v for v in values if v is not None), None)
+
+
+def _given(**values: Any) -> dict[str, Any]:
+    """The values that were given: the dataclass's own defaults stand for the rest."""
+    return {name: value for name, value in values.items() if value is not None}
 
 
 @app.command()
 def run(
-    model: ModelOpt,
-    draft: DraftOpt = None,
+    model: Annotated[
+        str | None,
+        typer.Option(
+            "-m",
+            "--model",
+            metavar="MODEL",
+            help=described(MODEL_HELP, "the built-in pair 'default' (see --list-pairs)"),
+        ),
+    ] = None,
+    draft: Annotated[
+        list[str] | None,
+        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
+    ] = None,
     k: Annotated[
         str | None,
         typer.Option(
             "-k",
             "--draft-length",
-            help="Tokens to draft per round, or 'auto' to choose each round from the running "
-            "acceptance and measured costs. (default: auto)",
+            metavar="N|auto",
+            help=described(
+                "Tokens to draft per round, or 'auto' to choose each round from the running "
+                "acceptance and measured costs.",
+                DraftOptions.k,
+            ),
         ),
     ] = None,
     prompt: Annotated[
@@ -393,26 +542,43 @@ def run(
         typer.Option(
             "-p",
             "--prompt",
+            metavar="TEXT",
             help="The prompt; '-' reads stdin (as does piping text in with no -p).",
         ),
     ] = None,
     file: Annotated[
-        Path | None, typer.Option("-f", "--file", help="Read the prompt from this file.")
+        Path | None,
+        typer.Option("-f", "--file", metavar="FILE", help="Read the prompt from this file."),
     ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
             "--prompts",
-            help="One prompt per line: one independent generation each, JSON Lines out.",
+            metavar="FILE",
+            help="One prompt per line: one independent generation each, JSON Lines out. "
+            "Each record's index is its line number and its seed reruns it alone "
+            "(-p LINE --seed SEED).",
         ),
     ] = None,
     n_predict: Annotated[
         int | None,
-        typer.Option("-n", "--n-predict", min=1, help="Tokens to generate at most. (default: 256)"),
+        typer.Option(
+            "-n",
+            "--n-predict",
+            metavar="N",
+            help=described(
+                "Tokens to generate at most; -1: until the model stops or the context is full.",
+                GenerationOptions.n_predict,
+            ),
+        ),
     ] = None,
     stop: Annotated[
         list[str] | None,
-        typer.Option("--stop", help="Stop when this text appears (not printed); repeatable."),
+        typer.Option(
+            "--stop",
+            metavar="TEXT",
+            help="Stop when this text appears (not printed); repeatable.",
+        ),
     ] = None,
     chat: Annotated[
         bool,
@@ -425,12 +591,14 @@ def run(
         ),
     ] = False,
     system: Annotated[
-        str | None, typer.Option("--system", help="A system message (implies --chat).")
+        str | None,
+        typer.Option("--system", metavar="TEXT", help="A system message (implies --chat)."),
     ] = None,
     messages: Annotated[
         str | None,
         typer.Option(
             "--messages",
+            metavar="FILE",
             help='A conversation: a JSON file holding a list of {"role", "content"} objects '
             "(roles system, user, assistant, tool); '-' reads stdin. Implies --chat. A prompt "
             "(-p, -f, or each --prompts line) is added as the last user turn; --system is "
@@ -442,16 +610,28 @@ def run(
         str | None,
         typer.Option(
             "--chat-template",
+            metavar="NAME|FILE",
             help="The chat format, instead of the model's own (implies --chat): a llama.cpp "
             f"built-in name ({', '.join(builtin_chat_templates())}), or a Jinja template "
             "file, which llama.cpp only recognises as one of those formats (else refused).",
         ),
     ] = None,
-    temp: TempOpt = None,
+    temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
-    seed: SeedOpt = None,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed",
+            metavar="N",
+            help=described(
+                "Random seed; -1 picks one (and reports it). Sampled text repeats exactly "
+                "with a fixed -k (-k auto follows measured timings).",
+                GenerationOptions.seed,
+            ),
+        ),
+    ] = None,
     ctx_size: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
@@ -463,11 +643,11 @@ def run(
     device_draft: DeviceDraftOpt = None,
     repack: RepackOpt = None,
     flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = 16,
-    draft_min: DraftMinOpt = 0,
-    draft_p_min: DraftPMinOpt = 0.0,
-    ngram_min: NgramMinOpt = 1,
-    ngram_max: NgramMaxOpt = 4,
+    draft_max: DraftMaxOpt = None,
+    draft_min: DraftMinOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     as_json: Annotated[
         bool,
         typer.Option(
@@ -475,7 +655,29 @@ def run(
             help="Print one JSON object at the end (text and stats) instead of streaming text.",
         ),
     ] = False,
+    json_tokens: Annotated[
+        bool,
+        typer.Option(
+            "--json-tokens",
+            help="With --json (implied) or --prompts: also each token, its text and who "
+            "chose it (the target, or the drafter whose guess it accepted).",
+        ),
+    ] = False,
+    color: Annotated[
+        bool,
+        typer.Option(
+            "--color",
+            help=f"On a terminal, show accepted draft tokens in {DRAFTED_COLOR} and the "
+            f"target's own in {TARGET_COLOR}.",
+        ),
+    ] = False,
     quiet: Annotated[bool, typer.Option("-q", "--quiet", help="No stats.")] = False,
+    list_pairs: Annotated[
+        bool,
+        typer.Option(
+            "--list-pairs", help="List the named pairs (built-in and the config's) and exit."
+        ),
+    ] = False,
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -484,36 +686,65 @@ def run(
     The output is what the target alone would produce (token for token with --temp 0,
     the same distribution when sampling), only faster when the draft guesses well.
 
+    \b
     Examples:
-
       specdec run -m target.gguf -d draft.gguf -k 5 -p "Once upon a time" -n 256
-
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
-
       specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
     """
+    if list_pairs:
+        print("\n".join(pair_lines(load_config(config))))
+        return
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
-    options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
-    n_predict = _pick(n_predict, defaults.get("n_predict"), 256)
-    seed = _pick(seed, defaults.get("seed"), -1)
-    if seed < 0:
-        seed = int(np.random.SeedSequence().entropy % 2**32)
+    # The input first: a typo there must not wait for models to load (or download).
     chat_opts = chat_options(chat, system, messages, chat_template, prompt)
-    texts = (
-        _read_prompts(prompts) if prompts else [_read_prompt(prompt, file, messages is not None)]
+    texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
+    options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
+    generation = GenerationOptions(
+        **_given(
+            n_predict=_pick(n_predict, defaults.get("n_predict")),
+            seed=_pick(seed, defaults.get("seed")),
+        )
     )
-    # Say why the first -k auto run pauses, to a person watching (not to scripts).
-    notify = note if sys.stderr.isatty() else None
-    with Engine(options, notify=notify) as engine, ends_quietly_on_closed_pipe():
+    if generation.n_predict == 0 or generation.n_predict < -1:
+        raise UserError(
+            f"--n-predict must be at least 1, or -1 for no limit (got {generation.n_predict})"
+        )
+    if generation.seed < 0:
+        generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
+    as_json = as_json or (json_tokens and not prompts)
+    for message in ignored_options(options, k, color and not as_json):
+        warn(message)
+    # Say why the first -k auto run pauses (a person, or a log, would wonder).
+    with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
         if prompts:
-            _run_many(engine, texts, n_predict, seed, tuple(stop or ()), chat_opts)
+            _run_many(engine, texts, generation, tuple(stop or ()), chat_opts, json_tokens)
         else:
-            _run_one(
-                engine, texts[0], n_predict, seed, tuple(stop or ()), chat_opts, as_json, quiet
-            )
+            output = Output(as_json, json_tokens, color, quiet)
+            _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, output)
+
+
+def ignored_options(options: EngineOptions, k: str | None, color: bool) -> list[str]:
+    """Options that would do nothing as given: one warning line each."""
+    out = []
+    if k is not None and options.draft is None and not options.ngram:
+        out.append(f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram")
+    if color and not sys.stdout.isatty():
+        out.append("--color colours text on a terminal only; stdout is not one")
+    return out
+
+
+@dataclass(frozen=True)
+class Output:
+    """How `run` shows one generation."""
+
+    as_json: bool = False
+    json_tokens: bool = False
+    color: bool = False
+    quiet: bool = False
 
 
 @contextmanager
@@ -534,86 +765,79 @@ def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max:
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
 
 
-def _read_prompt(prompt: str | None, file: Path | None, optional: bool = False) -> str | None:
-    """The prompt from -p, -f or stdin; None if `optional` and neither -p nor -f is given
-    (stdin is then left alone)."""
-    if prompt is not None and file is not None:
-        raise UserError("give the prompt with -p or with -f, not both")
-    # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
-    if file is not None:
-        return _read_text(file).removesuffix("\n")
-    if prompt is None and optional:
-        return None
-    if prompt == "-" or (prompt is None and not sys.stdin.isatty()):
-        return sys.stdin.read().removesuffix("\n")
-    if prompt is None:
-        raise UserError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
-    return prompt
-
-
-def _read_prompts(path: Path) -> list[str]:
-    lines = [line for line in _read_text(path).splitlines() if line.strip()]
-    if not lines:
-        raise UserError(f"{path} has no prompts; write one prompt per line")
-    return lines
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UserError(f"file not found: {path}; check the path") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
-
-
 def _run_one(
     engine: Engine,
     text: str | None,
-    n_predict: int,
-    seed: int,
+    generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
-    as_json: bool,
-    quiet: bool,
+    output: Output,
 ) -> None:
     tokens = engine.tokenize(text, chat)
-    stats = Stats()
-    display = make_display(stats, as_json, quiet)
-    pieces: list[str] = []
+    stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
+    display = make_display(stats, output.as_json, output.quiet, output.color)
+    pieces: list[Piece] = []
+    rng = np.random.default_rng(generation.seed)
     try:
-        for piece in engine.generate(tokens, n_predict, np.random.default_rng(seed), stats, stop):
-            pieces.append(piece)
-            display.text(piece)
+        with interrupt.generating():
+            for piece in engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop):
+                pieces.append(piece)
+                if piece.text:
+                    display.text(piece.text, drafted=piece.by != TARGET)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
     display.finish()
-    if as_json:
-        print(json.dumps({"text": "".join(pieces), "seed": seed, **stats.to_dict()}))
+    if output.as_json:
+        record = {"text": "".join(p.text for p in pieces), "seed": generation.seed}
+        record |= stats.to_dict()
+        if output.json_tokens:
+            record["token_list"] = token_records(engine, pieces)
+        print(json.dumps(record))
     if stats.stop_reason == "interrupted":
-        raise typer.Exit(130)
+        raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def token_records(engine: Engine, pieces: list[Piece]) -> list[dict[str, object]]:
+    """--json-tokens: each token's id, its own text, and who chose it."""
+    return [
+        {"id": p.token, "text": engine.model.piece(p.token).decode(errors="replace"), "by": p.by}
+        for p in pieces
+        if p.token is not None
+    ]
+
+
+def line_seed(seed: int, line: int) -> int:
+    """The seed of a --prompts line: its own random stream, derived from --seed and the
+    line number (so that lines added elsewhere do not change it), and the --seed that
+    reruns that line alone with -p."""
+    return int(np.random.SeedSequence([seed, line]).generate_state(1)[0])
 
 
 def _run_many(
     engine: Engine,
-    texts: list[str],
-    n_predict: int,
-    seed: int,
+    texts: dict[int, str],
+    generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
+    json_tokens: bool,
 ) -> None:
-    """One JSON line per prompt, each with its own random stream spawned from --seed."""
-    streams = np.random.SeedSequence(seed).spawn(len(texts))
-    for index, (text, stream) in enumerate(zip(texts, streams, strict=True)):
+    """One JSON line per prompt, each with a seed of its own derived from --seed."""
+    for line, text in texts.items():
         stats = Stats()
         tokens = engine.tokenize(text, chat)
+        seed = line_seed(generation.seed, line)
+        rng = np.random.default_rng(seed)
         try:
-            out = "".join(
-                engine.generate(tokens, n_predict, np.random.default_rng(stream), stats, stop)
-            )
+            with interrupt.generating():
+                pieces = list(
+                    engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop)
+                )
         except KeyboardInterrupt:
-            raise typer.Exit(130) from None
-        record = {"index": index, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
+            raise typer.Exit(interrupt.EXIT_CODE) from None
+        out = "".join(p.text for p in pieces)
+        record = {"index": line, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
+        if json_tokens:
+            record["token_list"] = token_records(engine, pieces)
         print(json.dumps(record), flush=True)
 
 
@@ -626,30 +850,62 @@ def bench(
             "-d",
             "-md",
             "--draft",
+            metavar="DRAFT",
             help="Drafter(s) to measure: a draft model (same forms as -m) and/or 'ngram'. "
             "Repeatable; with both, their combination (lookup first) is measured too.",
         ),
     ] = None,
     k: Annotated[
-        str, typer.Option("-k", "--draft-length", help="Draft lengths to try, e.g. 1,2,4,8,auto.")
-    ] = "1,2,4,8",
+        str | None,
+        typer.Option(
+            "-k",
+            "--draft-length",
+            metavar="LIST",
+            help=described("Draft lengths to try, e.g. 1,2,4,8,auto.", BenchOptions.ks),
+        ),
+    ] = None,
     prompts: Annotated[
         Path | None,
         typer.Option(
             "--prompts",
-            help="One prompt per line (default: a built-in set of "
-            "story, code, list, factual and copy prompts).",
+            metavar="FILE",
+            help=described(
+                "One prompt per line.",
+                "a built-in set of story, code, list, factual and copy prompts",
+            ),
         ),
     ] = None,
     n_predict: Annotated[
-        int, typer.Option("-n", "--n-predict", min=1, help="Tokens per generation.")
-    ] = 128,
-    repeat: Annotated[int, typer.Option("--repeat", min=1, help="Repeats of the whole set.")] = 3,
-    temp: TempOpt = 0.0,
+        int | None,
+        typer.Option(
+            "-n",
+            "--n-predict",
+            min=1,
+            metavar="N",
+            help=described("Tokens per generation.", BenchOptions.n_predict),
+        ),
+    ] = None,
+    repeat: Annotated[
+        int | None,
+        typer.Option(
+            "--repeat",
+            min=1,
+            metavar="N",
+            help=described("Repeats of the whole set.", BenchOptions.repeat),
+        ),
+    ] = None,
+    temp: temp_option(BenchOptions.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
-    seed: Annotated[int, typer.Option("--seed", help="Random seed (sampling only).")] = 0,
+    seed: Annotated[
+        int | None,
+        typer.Option(
+            "--seed",
+            metavar="N",
+            help=described("Random seed (sampling only).", BenchOptions.seed),
+        ),
+    ] = None,
     ctx_size: CtxOpt = None,
     batch_size: BatchOpt = None,
     ubatch_size: UBatchOpt = None,
@@ -661,18 +917,21 @@ def bench(
     device_draft: DeviceDraftOpt = None,
     repack: RepackOpt = None,
     flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = 16,
-    draft_min: DraftMinOpt = 0,
-    draft_p_min: DraftPMinOpt = 0.0,
-    ngram_min: NgramMinOpt = 1,
-    ngram_max: NgramMaxOpt = 4,
+    draft_max: DraftMaxOpt = None,
+    draft_min: DraftMinOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="Write every figure to this JSON file.")
+        Path | None,
+        typer.Option("--json", metavar="FILE", help="Write every figure to this JSON file."),
     ] = None,
     plot_path: Annotated[
         Path | None,
         typer.Option(
-            "--plot", help="Write a PNG of tokens/s and acceptance against k (needs matplotlib)."
+            "--plot",
+            metavar="FILE",
+            help="Write a PNG of tokens/s and acceptance against k (needs matplotlib).",
         ),
     ] = None,
     config: ConfigOpt = None,
@@ -685,10 +944,16 @@ def bench(
     and reports the speedup a perfect implementation would reach with the measured
     acceptance, so you see why speculation pays or does not.
 
-    Example: specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
+    \b
+    Example:
+      specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
+    # Fail now, not after minutes of measuring.
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path:
+            check_writable(path, flag)
     if plot_path:
-        load_pyplot()  # fail now, not after minutes of measuring
+        load_pyplot()
     drafts = draft or []
     if not drafts:
         raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
@@ -697,23 +962,24 @@ def bench(
     kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
     if len(kinds) == 2:
         kinds.append("model+ngram")
-    ks = [x.strip() for x in k.split(",") if x.strip()]
+    plan = BenchOptions(**_given(ks=k, n_predict=n_predict, repeat=repeat, seed=seed))
+    ks = [x.strip() for x in plan.ks.split(",") if x.strip()]
     variant_list = variants(kinds, ks)
     texts = (
-        {f"prompt {i + 1}": t for i, t in enumerate(_read_prompts(prompts))}
-        if prompts
-        else BUILTIN_PROMPTS
+        {f"line {n}": t for n, t in read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
     )
     flags = shared_options(locals())
-    if ctx_size is None:
-        flags["ctx_size"] = fit_context(texts, n_predict, ks, draft_max)
+    flags["temp"] = _pick(temp, BenchOptions.temp)
     options, _ = engine_options(model, drafts, config, k="1", **flags)
-    with Engine(options) as engine, ends_quietly_on_closed_pipe():
+    if ctx_size is None:
+        n_ctx = fit_context(texts, plan.n_predict, ks, options.drafting.draft_max)
+        options = replace(options, n_ctx=n_ctx)
+    with Engine(options, notify=note) as engine, ends_quietly_on_closed_pipe():
         for message in engine.warnings:
             warn(message)
-        total = len(variant_list) * len(texts) * repeat
+        total = len(variant_list) * len(texts) * plan.repeat
         with bench_progress(total) as advance:
-            report = run_bench(engine, variant_list, texts, n_predict, repeat, seed, advance)
+            report = run_bench(engine, variant_list, texts, plan, advance)
     print_bench(report)
     if json_path:
         try:
@@ -722,6 +988,16 @@ def bench(
             raise UserError(f"cannot write {json_path}: {err.strerror or err}") from None
     if plot_path:
         write_plot(report, str(plot_path))
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before any work, a path that a file cannot be written to."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: there is no directory {path.parent}; create it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here; choose another path")
 
 
 # --- model commands (info, check) ---
@@ -795,17 +1071,30 @@ def check(
 def main() -> None:
     """Console entry point: turn expected failures into one line and an exit code."""
     try:
-        result = app(standalone_mode=False)
+        result = app(standalone_mode=False, prog_name="specdec")
     except UserError as err:
         _fail(str(err), err.exit_code)
     except typer.TyperException as err:  # bad flags: click's usage errors, as typer raises them
-        ctx = getattr(err, "ctx", None)
-        hint = f" (see: {ctx.command_path} --help)" if ctx else ""
-        _fail(f"{err.format_message()}{hint}", err.exit_code)
+        _fail_usage(err)
     except (KeyboardInterrupt, typer.Abort):
-        sys.exit(130)
+        sys.exit(interrupt.EXIT_CODE)
     # With standalone_mode=False, click returns typer.Exit's code instead of exiting.
     sys.exit(result if isinstance(result, int) else 0)
+
+
+def _fail_usage(err: typer.TyperException) -> None:
+    # typer raises its own copy of click's exceptions: told apart by name, not by class.
+    if type(err).__name__ == "NoArgsIsHelpError":  # bare `specdec`: the help, as click does
+        print(err.format_message(), file=sys.stderr)
+        sys.exit(err.exit_code)
+    if type(err).__name__ == "NoSuchOption":
+        # click suggests any option a little alike (--bogus: "--verbose"); keep close ones.
+        err.possibilities = difflib.get_close_matches(
+            err.option_name, err.possibilities or [], cutoff=0.8
+        )
+    ctx = getattr(err, "ctx", None)
+    hint = f" (see: {ctx.command_path} --help)" if ctx else ""
+    _fail(f"{err.format_message()}{hint}", err.exit_code)
 
 
 def _fail(message: str, code: int) -> None:

@@ -9,6 +9,7 @@ import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -25,7 +26,7 @@ ENV_VAR = "SPECDEC_CONFIG"
 
 # Allowed keys and their types. A float key also accepts a TOML integer (`temp = 0`).
 _MODEL_KEYS: dict[str, type] = {"path": str, "n_gpu_layers": int, "n_ctx": int, "threads": int}
-_PAIR_KEYS: dict[str, type] = {"target": str, "draft": str, "k": int}
+_PAIR_KEYS: dict[str, type] = {"target": str, "draft": str, "k": int | str, "about": str}
 _SAMPLING_KEYS: dict[str, type] = {
     "temp": float,
     "top_k": int,
@@ -54,7 +55,8 @@ class PairSpec:
     name: str
     target: ModelSpec
     draft: ModelSpec
-    k: int | None = None
+    k: str | None = None  # a number of tokens, or "auto", as -k takes it
+    about: str | None = None  # what the pair is, in a few words (shown by --list-pairs)
     sampling: dict[str, int | float] = field(default_factory=dict)  # only the keys the file set
 
 
@@ -67,12 +69,40 @@ class Config:
     pairs: Mapping[str, PairSpec] = field(default_factory=dict)
 
     def resolve(self, ref: str) -> ModelSpec | PairSpec:
-        """A pair name, a model name, or else a path / Hub reference taken as it is."""
-        if ref in self.pairs:
-            return self.pairs[ref]
-        if ref in self.models:
-            return self.models[ref]
+        """A pair name, a model name (this file's, else a built-in one), or else a path /
+        Hub reference taken as it is."""
+        for config in (self, builtin_config()):
+            if ref in config.pairs:
+                return config.pairs[ref]
+            if ref in config.models:
+                return config.models[ref]
         return ModelSpec(path=ref)
+
+    def all_pairs(self) -> dict[str, PairSpec]:
+        """Every pair a name can reach: the built-in ones, and this file's (which win)."""
+        return {**builtin_config().pairs, **self.pairs}
+
+
+BUILTIN_PATH = Path(__file__).with_name("builtin_models.toml")
+DEFAULT_PAIR = "default"  # what `specdec run` uses without -m
+
+
+@cache
+def builtin_config() -> Config:
+    """The models and pairs that ship with specdec (the default pair among them)."""
+    return _parse(tomllib.loads(BUILTIN_PATH.read_text(encoding="utf-8")), BUILTIN_PATH)
+
+
+def pair_lines(config: Config) -> list[str]:
+    """What --list-pairs prints: each pair's name, what it is, its files."""
+    lines = []
+    for name, pair in config.all_pairs().items():
+        where = "built-in" if pair is builtin_config().pairs.get(name) else str(config.path)
+        about = f": {pair.about}" if pair.about else ""
+        lines.append(f"{name} ({where}){about}")
+        lines.append(f"  -m {pair.target.path}")
+        lines.append(f"  -d {pair.draft.path}" + (f" -k {pair.k}" if pair.k else ""))
+    return lines
 
 
 def default_config_path() -> Path:
@@ -164,10 +194,12 @@ def _pair(
         if ref in pair_tables:
             _fail(source, f"{where}.{role}", f"'{ref}' is a pair; name a model")
         roles[role] = models[ref] if ref in models else ModelSpec(path=_model_path(ref, source))
+    about = values.pop("about", None)
     k = values.pop("k", None)
-    if k is not None and k < 1:
-        _fail(source, f"{where}.k", "must be at least 1")
-    return PairSpec(name=name, k=k, sampling=values, **roles)
+    if k is not None and k != "auto" and (isinstance(k, str) or k < 1):
+        _fail(source, f"{where}.k", f'must be a number of at least 1 or "auto", got {k!r}')
+    k = None if k is None else str(k)
+    return PairSpec(name=name, k=k, about=about, sampling=values, **roles)
 
 
 def _check_keys(
@@ -184,7 +216,9 @@ def _check_keys(
             isinstance(value, (int, float)) if expected is float else isinstance(value, expected)
         )
         if not ok or (expected is str and not value):
-            wanted = {str: "a non-empty string", int: "an integer", float: "a number"}[expected]
+            wanted = {str: "a non-empty string", int: "an integer", float: "a number"}.get(
+                expected, "a number or a string"
+            )
             _fail(source, f"{where}.{key}", f"must be {wanted}, got {value!r}")
         values[key] = float(value) if expected is float else value
     return values

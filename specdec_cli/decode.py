@@ -50,7 +50,8 @@ class Decoder:
     def generate(
         self, prompt: list[int], n_predict: int, rng: np.random.Generator, stats: Stats
     ) -> Iterator[Round]:
-        """Yield each round's new tokens until EOS, `n_predict` tokens or a full context.
+        """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
+        (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
         Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
@@ -63,6 +64,8 @@ class Decoder:
                 f"the prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
                 "shorten the prompt or raise -c"
             )
+        if n_predict < 0:
+            n_predict = target.n_ctx  # the context fills up first
         draft_ctx = drafter.ctx if drafter else None
         stats.k = self.label
         t_start = time.perf_counter()

@@ -6,10 +6,11 @@ the end, so that pipes and log files stay parseable.
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -37,47 +38,89 @@ def note(message: str) -> None:
     print(f"specdec: {message}", file=sys.stderr)
 
 
-def stats_line(stats: Stats) -> Text:
-    line = Text()
-    line.append(f"{stats.tokens_per_second:7.1f} tok/s", style="bold green")
-    line.append(f"  {stats.tokens} tokens")
+def stats_line(stats: Stats, width: int, final: bool = False) -> Text:
+    """The live (or, when `final`, the closing) stats on one line of at most `width`
+    columns: the parts that do not fit are left out whole, the least important first."""
+    parts = [(f"{stats.tokens_per_second:.1f} tok/s", "bold green"), (f"{stats.tokens} tokens", "")]
     if stats.drafted:
-        line.append(f"  accept {stats.acceptance_rate:6.1%}", style="cyan")
-        line.append(f" ({stats.accepted}/{stats.drafted})")
-        line.append(f"  {stats.tokens_per_pass:4.2f} tok/pass", style="magenta")
-        line.append(f"  k={stats.k}")
+        parts.append(
+            (f"accept {stats.acceptance_rate:.1%} ({stats.accepted}/{stats.drafted})", "cyan")
+        )
+        parts.append((f"{stats.tokens_per_pass:.2f} tok/pass", "magenta"))
+        k = f"k={stats.k}"
         if stats.draft_lengths:
-            line.append(f" (last {stats.last_k}, mean {stats.mean_k:.2f})")
+            k += f" (last {stats.last_k}, mean {stats.mean_k:.2f})"
+        parts.append((k, ""))
+    if final:
+        parts.append((f"stop: {stats.stop_reason}", ""))
+        if stats.seed is not None:
+            parts.append((f"seed {stats.seed}", ""))
+        if stats.flash_attn:
+            parts.append((f"-fa {stats.flash_attn}", ""))
+    line = Text()
+    for text, style in parts:
+        separator = "  " if line else ""
+        if len(line) + len(separator) + len(text) > width - 1:  # the last column wraps
+            continue
+        line.append(separator)
+        line.append(text, style=style)
     return line
+
+
+# --color: accepted draft tokens in one colour, the target's own in another.
+DRAFTED_COLOR, TARGET_COLOR = "green", "yellow"
+_SGR = {DRAFTED_COLOR: "\x1b[32m", TARGET_COLOR: "\x1b[33m"}  # ANSI foreground colours
+_RESET = "\x1b[0m"
 
 
 class Display(Protocol):
     """Shows generated text as it comes, and the Stats it was given as they change."""
 
-    def text(self, chunk: str) -> None: ...
+    def text(self, chunk: str, drafted: bool = False) -> None: ...
 
     def finish(self) -> None: ...
+
+
+def _style(drafted: bool, color: bool) -> str:
+    """The colour of a piece of text ("" for none)."""
+    if not color:
+        return ""
+    return DRAFTED_COLOR if drafted else TARGET_COLOR
+
+
+def _write_stdout(chunk: str, style: str) -> None:
+    sys.stdout.write(f"{_SGR[style]}{chunk}{_RESET}" if style else chunk)
+    sys.stdout.flush()
 
 
 class PlainDisplay:
     """Text straight to stdout; one summary line on stderr at the end."""
 
-    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(
+        self, stats: Stats, show_text: bool = True, summary: bool = True, color: bool = False
+    ) -> None:
         self.stats = stats
         self.show_text = show_text
         self.summary = summary
+        self.color = color
 
-    def text(self, chunk: str) -> None:
+    def text(self, chunk: str, drafted: bool = False) -> None:
         if self.show_text:
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+            _write_stdout(chunk, _style(drafted, self.color))
 
     def finish(self) -> None:
         if self.show_text:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _write_stdout("\n", "")
         if self.summary:
             print(f"specdec: {self.stats.summary()}", file=sys.stderr)
+
+
+def same_terminal(a: TextIO, b: TextIO) -> bool:
+    """Whether both streams write to the same terminal (stdout and stderr on one screen)."""
+    try:
+        return a.isatty() and b.isatty() and os.path.sameopenfile(a.fileno(), b.fileno())
+    except (OSError, ValueError):
+        return False
 
 
 class LiveDisplay:
@@ -88,55 +131,66 @@ class LiveDisplay:
     text streams token by token without the two fighting over the cursor.
     """
 
-    def __init__(self, stats: Stats, show_text: bool = True, summary: bool = True) -> None:
+    def __init__(
+        self, stats: Stats, show_text: bool = True, summary: bool = True, color: bool = False
+    ) -> None:
         self.console = Console(stderr=True)
         self.stats = stats  # read at each refresh, as the decode loop updates it
         self.show_text = show_text
         self.summary = summary
-        self.text_in_live = show_text and sys.stdout.isatty()
-        self._line = ""
+        self.color = color
+        self.text_in_live = show_text and same_terminal(sys.stdout, sys.stderr)
+        self._line = Text()
+        # rich's Live would otherwise capture stdout and print it on stderr's console:
+        # `specdec run ... > out.txt` must leave the text in out.txt.
         self.live = Live(
             get_renderable=self._render,
             console=self.console,
             refresh_per_second=4,
             transient=True,
+            redirect_stdout=False,
+            redirect_stderr=False,
         )
         self.live.start()
 
     def _render(self) -> Group:
-        parts = [Text(self._line)] if self._line else []
-        return Group(*parts, stats_line(self.stats))
+        parts = [self._line] if self._line else []
+        return Group(*parts, stats_line(self.stats, self.console.width))
 
-    def text(self, chunk: str) -> None:
+    def text(self, chunk: str, drafted: bool = False) -> None:
         if not self.show_text:
             return
+        style = _style(drafted, self.color)
         if not self.text_in_live:
-            sys.stdout.write(chunk)
-            sys.stdout.flush()
+            _write_stdout(chunk, style)
             return
-        *done, self._line = (self._line + chunk).split("\n")
-        for line in done:
-            self.console.print(line, markup=False, highlight=False, emoji=False)
+        first, *rest = chunk.split("\n")
+        self._line.append(first, style=style)
+        for line in rest:
+            self._print_line()
+            self._line.append(line, style=style)
+
+    def _print_line(self) -> None:
+        self.console.print(self._line, highlight=False, emoji=False)
+        self._line = Text()
 
     def finish(self) -> None:
         self.live.stop()
         if self.text_in_live:
-            self.console.print(self._line, markup=False, highlight=False, emoji=False)
+            self._print_line()
         elif self.show_text:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
+            _write_stdout("\n", "")
         if self.summary:
-            line = stats_line(self.stats).append(f"  stop: {self.stats.stop_reason}")
-            if self.stats.flash_attn:
-                line.append(f"  -fa {self.stats.flash_attn}")
-            self.console.print(line)
+            self.console.print(stats_line(self.stats, self.console.width, final=True))
 
 
-def make_display(stats: Stats, as_json: bool, quiet: bool) -> Display:
-    """Live stats on a terminal unless quiet; with --json the JSON replaces text and summary."""
+def make_display(stats: Stats, as_json: bool, quiet: bool, color: bool = False) -> Display:
+    """Live stats on a terminal unless quiet; with --json the JSON replaces text and summary.
+    `color` (who chose each token) only where the text goes to a terminal."""
+    color = color and not as_json and sys.stdout.isatty()
     if not quiet and sys.stderr.isatty():
-        return LiveDisplay(stats, show_text=not as_json, summary=not as_json)
-    return PlainDisplay(stats, show_text=not as_json, summary=not (as_json or quiet))
+        return LiveDisplay(stats, show_text=not as_json, summary=not as_json, color=color)
+    return PlainDisplay(stats, show_text=not as_json, summary=not (as_json or quiet), color=color)
 
 
 BENCH_COLUMNS = (
@@ -182,6 +236,8 @@ def print_bench(report: BenchReport) -> None:
     """A rich table on a terminal; whitespace-separated columns when piped. Both show
     the figures `--json` writes, computed once."""
     figures = report.to_dict()
+    for message in figures["warnings"]:
+        warn(message)
     rows = bench_rows(figures)
     settings = f"settings: -fa {report.flash_attn}"
     c = report.costs
@@ -241,22 +297,37 @@ def load_pyplot():
     return plt
 
 
-def write_plot(report: BenchReport, path: str) -> None:
-    """tokens/s and acceptance rate against k, one line per drafter."""
-    plt = load_pyplot()
+def plot_figure(report: BenchReport, plt):
+    """tokens/s and acceptance rate against k, one line per drafter; -k auto is a point
+    of its own at the mean k it chose."""
     fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
     base = report.median_speed(report.baseline)
     speed_ax.axhline(base, color="grey", linestyle="--", label="target only")
     for drafter in dict.fromkeys(r.variant.drafter for r in report.results[1:]):
         mine = [r for r in report.results[1:] if r.variant.drafter == drafter]
-        labels = [r.variant.k for r in mine]
-        speed_ax.plot(labels, [report.median_speed(r) for r in mine], marker="o", label=drafter)
-        accept_ax.plot(labels, [r.total().acceptance_rate for r in mine], marker="o", label=drafter)
+        for auto in (False, True):
+            runs = [r for r in mine if (r.variant.k == "auto") == auto]
+            if not runs:
+                continue
+            ks = [r.total().mean_k if auto else int(r.variant.k) for r in runs]
+            style = {"marker": "*", "markersize": 12, "linestyle": "none"} if auto else {}
+            label = f"{drafter}, k=auto (at its mean k)" if auto else drafter
+            speeds = [report.median_speed(r) for r in runs]
+            speed_ax.plot(ks, speeds, label=label, **({"marker": "o"} | style))
+            accept = [r.total().acceptance_rate for r in runs]
+            accept_ax.plot(ks, accept, label=label, **({"marker": "o"} | style))
     speed_ax.set(xlabel="k", ylabel="tokens/s", title="speed")
+    speed_ax.set_ylim(bottom=0)  # speeds compared by height: the axis starts at 0
     accept_ax.set(xlabel="k", ylabel="acceptance rate", title="acceptance", ylim=(0, 1))
     speed_ax.legend()
     accept_ax.legend()
     fig.tight_layout()
+    return fig
+
+
+def write_plot(report: BenchReport, path: str) -> None:
+    plt = load_pyplot()
+    fig = plot_figure(report, plt)
     try:
         fig.savefig(path, dpi=100)
     except OSError as err:
@@ -266,10 +337,11 @@ def write_plot(report: BenchReport, path: str) -> None:
 
 
 @contextmanager
-def bench_progress(total: int) -> Iterator[Callable[[str], None]]:
-    """A progress bar on a terminal (a sweep takes minutes); nothing otherwise."""
+def bench_progress(total: int) -> Iterator[Callable[[str, int], None]]:
+    """A progress bar on a terminal (a sweep takes minutes), saying what is being done;
+    nothing otherwise. The callback takes that and how many runs it finished."""
     if not sys.stderr.isatty():
-        yield lambda name: None
+        yield lambda name, steps: None
         return
     columns = (
         TextColumn("{task.description}"),
@@ -280,4 +352,4 @@ def bench_progress(total: int) -> Iterator[Callable[[str], None]]:
     )
     with Progress(*columns, console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task("benchmark", total=total)
-        yield lambda name: progress.update(task, advance=1, description=name)
+        yield lambda name, steps: progress.update(task, advance=steps, description=name)

@@ -52,6 +52,14 @@ class DraftOptions:
 
 
 @dataclass(frozen=True)
+class GenerationOptions:
+    """How much `specdec run` generates, and from which random seed."""
+
+    n_predict: int = 256  # -1: no limit (until the model stops or the context is full)
+    seed: int = -1  # -1: pick one, and report it
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     target: Path
     draft: Path | None = None  # a draft model file
@@ -285,6 +293,24 @@ class Engine:
             for context in contexts.values():
                 context.close()
 
+    def describe(self) -> dict[str, object]:
+        """What a run with these models and settings needs to be reproduced."""
+        o = self.options
+        models = {"target": o.target, "draft": o.draft}
+        return {
+            "models": {
+                role: {"path": str(path), "bytes": path.stat().st_size}
+                for role, path in models.items()
+                if path
+            },
+            "n_ctx": self.target.n_ctx,
+            "threads": self.target.threads,
+            "threads_draft": self.draft_ctx.threads if self.draft_ctx else None,
+            "n_batch": o.n_batch,
+            "n_ubatch": o.n_ubatch,
+            **self._load_settings(),
+        }
+
     def _model_paths(self) -> list[Path]:
         o = self.options
         return [o.target, o.draft] if o.draft else [o.target]
@@ -342,23 +368,48 @@ class Engine:
         decoder: Decoder | None = None,
     ) -> Iterator[str]:
         """Yield the generated text in pieces as the tokens are accepted."""
+        for piece in self.generate_pieces(prompt, n_predict, rng, stats, stop, decoder):
+            if piece.text:
+                yield piece.text
+
+    def generate_pieces(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        stop: tuple[str, ...] = (),
+        decoder: Decoder | None = None,
+    ) -> Iterator[Piece]:
+        """Yield one Piece per generated token, saying who proposed it, and a last one
+        (token None) for text held back until the end."""
         stream = TextStream(stop)
         stats.flash_attn = self.flash_attn
         rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
         try:
             for new in rounds:
-                for token in new.tokens:
+                for i, token in enumerate(new.tokens):
                     text = stream.push(self.model.piece(token))
-                    if text:
-                        yield text
+                    yield Piece(text, token, new.source if i < new.n_drafted else TARGET)
                     if stream.stopped:
                         stats.stop_reason = "stop"
                         return
-            tail = stream.flush()
-            if tail:
-                yield tail
+            yield Piece(stream.flush(), None, TARGET)
         finally:
             rounds.close()
+
+
+TARGET = "target"  # a Piece's `by` when the target chose the token itself
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it lets out (held-back text of the tokens
+    before it included; "" while a character or a possible stop string is incomplete)."""
+
+    text: str
+    token: int | None  # None: the end of generation, releasing what was held back
+    by: str  # TARGET, or the drafter whose guess the target accepted ("model", "ngram")
 
 
 def batch_warnings(options: EngineOptions) -> list[str]:

@@ -23,6 +23,7 @@ from huggingface_hub import (
     hf_hub_download,
     is_offline_mode,
     scan_cache_dir,
+    try_to_load_from_cache,
 )
 from huggingface_hub.errors import (
     EntryNotFoundError,
@@ -105,6 +106,13 @@ def is_hub_ref(ref: str) -> bool:
     if ref.startswith(HF_PREFIX):
         return True
     return _BARE_REF.fullmatch(ref) is not None and not ref.lower().endswith(".gguf")
+
+
+def is_cached(ref: str) -> bool:
+    """Whether the file an hf://OWNER/REPO/FILE.gguf reference names is in the local cache
+    (other references name no file until the Hub is asked: never cached)."""
+    repo_id, filename, _ = _parse(ref)
+    return filename is not None and isinstance(try_to_load_from_cache(repo_id, filename), str)
 
 
 def fetch_gguf(ref: str) -> Path:

@@ -6,14 +6,18 @@ path, a Hugging Face reference (see hub.py), or else a missing file.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
-from specdec_cli.config import Config, PairSpec, load_config
+from huggingface_hub import is_offline_mode
+
+from specdec_cli.config import DEFAULT_PAIR, Config, PairSpec, load_config
 from specdec_cli.errors import UserError
 from specdec_cli.gguf_meta import check_gguf
-from specdec_cli.hub import fetch_gguf, is_hub_ref
+from specdec_cli.hub import fetch_gguf, is_cached, is_hub_ref
 
 NO_DRAFT = "none"  # `-d none`: run the target alone, as a baseline
+OWN_MODELS = "pass your own models: -m TARGET.gguf [-d DRAFT.gguf]"
 
 
 def locate_model(ref: str, config: Config | None = None) -> Path:
@@ -48,3 +52,23 @@ def locate_draft(ref: str, config: Config | None = None) -> Path | None:
     if ref.lower() == NO_DRAFT:
         return None
     return locate_model(ref, config)
+
+
+def default_pair(config: Config, notify: Callable[[str], None]) -> PairSpec:
+    """The pair `specdec run` uses without -m. Before a first download, say what comes
+    and how big; offline without it, say what to download, or how to do without."""
+    pair = config.resolve(DEFAULT_PAIR)
+    assert isinstance(pair, PairSpec), "the built-in config defines the default pair"
+    missing = [spec.path for spec in (pair.target, pair.draft) if not is_cached(spec.path)]
+    if missing and is_offline_mode():
+        raise UserError(
+            f"no -m given, and the default pair ({pair.about}) is not in the Hugging Face "
+            f"cache while HF_HUB_OFFLINE is set: download {' and '.join(missing)} once "
+            f"online, or {OWN_MODELS}"
+        )
+    if missing:
+        notify(
+            f"no -m given: downloading the default pair, {pair.about}, from the Hugging Face "
+            "Hub, once (see `specdec run --list-pairs`; -m TARGET [-d DRAFT] to use others)"
+        )
+    return pair

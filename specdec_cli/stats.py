@@ -50,6 +50,7 @@ class Stats:
     stop_reason: str = ""
     last_k: int = 0
     flash_attn: FlashAttnChoice | None = None
+    seed: int | None = None  # the seed sampling used (None when greedy): it reproduces the run
 
     def record_round(
         self, source: str, n_drafted: int, n_batch: int, n_accepted: int, n_new: int
@@ -73,7 +74,7 @@ class Stats:
             mine = getattr(self, f.name)
             if isinstance(mine, Counter):
                 mine.update(getattr(other, f.name))
-            elif isinstance(mine, int | float) and f.name != "last_k":
+            elif isinstance(mine, int | float) and f.name not in ("last_k", "seed"):
                 setattr(self, f.name, mine + getattr(other, f.name))
 
     @property
@@ -136,4 +137,5 @@ class Stats:
                 f", {self.tokens_per_pass:.2f} tokens/pass, k={self.k} (mean {self.mean_k:.2f})"
             )
         line += f", stop: {self.stop_reason or 'running'}"
+        line += f", seed {self.seed}" if self.seed is not None else ""
         return line + (f", -fa {self.flash_attn}" if self.flash_attn else "")

@@ -7,11 +7,14 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import llama_cpp
 import pytest
 from test_cli_run import assert_user_error, specdec
 
+import specdec_cli
 from specdec_cli.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
 from specdec_cli.costmodel import Costs
+from specdec_cli.machine import cpu_name
 from specdec_cli.stats import FlashAttnChoice, Stats
 
 # --- BenchReport on hand-made Stats (no model) ---
@@ -228,6 +231,20 @@ def test_bench_draft_model(model_bench: dict[str, Any]) -> None:
     assert all(r["acceptance_rate"] > 0.2 for r in model_bench["runs"])
 
 
+def test_bench_json_says_what_reproduces_it(
+    model_bench: dict[str, Any], target_model: Path, draft_model: Path
+) -> None:
+    settings = model_bench["settings"]
+    for role, path in (("target", target_model), ("draft", draft_model)):
+        assert settings["models"][role] == {"path": str(path), "bytes": path.stat().st_size}
+    assert settings["threads"] == 1 and settings["threads_draft"] == 1
+    assert settings["n_ctx"] >= 16 and settings["flash_attn"]["used"] in ("on", "off")
+    assert settings["specdec"] == specdec_cli.__version__
+    assert settings["llama_cpp_python"] == llama_cpp.__version__
+    assert "CPU" in settings["backends"] and settings["cpu"] == cpu_name()
+    assert isinstance(model_bench["warnings"], list)
+
+
 def test_bench_piped_table_is_plain(model_bench: dict[str, Any]) -> None:
     stdout = model_bench["_stdout"]
     assert "\x1b" not in stdout
@@ -266,10 +283,10 @@ def test_bench_prompts_file(target_model: Path, tmp_path: Path) -> None:
     prompts.write_text("The little dog\n\nOnce upon a time\n")
     data = bench(target_model, ["ngram"], tmp_path / "out.json", "--prompts", str(prompts))
     assert data["settings"]["prompts"] == {
-        "prompt 1": "The little dog",
-        "prompt 2": "Once upon a time",
+        "line 1": "The little dog",
+        "line 3": "Once upon a time",
     }
-    assert set(data["baseline"]["tokens_per_second_by_prompt"]) == {"prompt 1", "prompt 2"}
+    assert set(data["baseline"]["tokens_per_second_by_prompt"]) == {"line 1", "line 3"}
 
 
 def test_bench_needs_a_drafter(target_model: Path) -> None:
@@ -299,3 +316,38 @@ def test_bench_plot(target_model: Path, tmp_path: Path) -> None:
     else:
         assert result.returncode == 0, result.stderr
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_checks_output_paths_before_measuring(target_model: Path, tmp_path: Path) -> None:
+    for flag in ("--json", "--plot"):
+        args = ["bench", "-m", str(target_model), "-d", "ngram", "-t", "1", "-n", "4"]
+        result = specdec(*args, "--repeat", "1", "-k", "1", flag, str(tmp_path / "no" / "x"))
+        assert_user_error(result, flag, "no directory")
+        assert result.stdout == ""  # nothing was measured
+
+
+def test_plot_speed_axis_from_zero_and_auto_as_a_point() -> None:
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from specdec_cli.display import plot_figure
+
+    runs = [
+        speculative(150.0, 0.6),
+        VariantResult(Variant("model", "auto"), [stats(100, 0.6, 60, 40, passes=40)]),
+    ]
+    runs[1].runs[0].draft_lengths.update({2: 20, 4: 20})
+    fig = plot_figure(report(baseline(), *runs), plt)
+    speed_ax = fig.axes[0]
+    assert speed_ax.get_ylim()[0] == 0
+    auto = [line for line in speed_ax.lines if "auto" in str(line.get_label())]
+    assert len(auto) == 1 and list(auto[0].get_xdata()) == [3.0]  # its mean k
+    plt.close(fig)
+
+
+def test_untrustworthy_figures_are_flagged() -> None:
+    steady = report(baseline(), speculative(150.0, 0.6))
+    assert steady.warnings() == []
+    too_good = report(baseline(), speculative(400.0, 0.6))  # above the ideal speedup
+    assert any("beat the ideal" in w for w in too_good.warnings())
+    drifting = VariantResult(TARGET_ONLY, [stats(100, 1.0), stats(100, 0.5)])
+    slowed = report(drifting, VariantResult(MODEL_K4, [stats(100, 0.8), stats(100, 0.4)]))
+    assert any("speed changed" in w for w in slowed.warnings())

@@ -102,7 +102,7 @@ def test_models_pairs_and_relative_paths(tmp_path: Path) -> None:
     assert config.resolve("small") == small
     pair = config.resolve("duo")
     assert pair == PairSpec(
-        name="duo", target=big, draft=small, k=4, sampling={"temp": 0.0, "top_p": 0.9, "seed": 7}
+        name="duo", target=big, draft=small, k="4", sampling={"temp": 0.0, "top_p": 0.9, "seed": 7}
     )
     assert isinstance(pair.sampling["temp"], float)
     assert config.resolve("elsewhere.gguf") == ModelSpec(path="elsewhere.gguf")
@@ -118,6 +118,15 @@ def test_pair_members_may_be_paths_or_hub_refs(tmp_path: Path) -> None:
     assert pair.target == ModelSpec(path=str(tmp_path / "home" / "t.gguf"))
     assert pair.draft == ModelSpec(path="owner/repo:Q4_0")
     assert pair.k is None and pair.sampling == {}
+
+
+def test_pair_k_may_be_auto(tmp_path: Path) -> None:
+    """-k auto is the command line's default; a pair may say it too."""
+    config_file = write(
+        tmp_path / "models.toml", '[pairs.p]\ntarget = "a"\ndraft = "b"\nk = "auto"\n'
+    )
+    pair = load_config(str(config_file)).resolve("p")
+    assert isinstance(pair, PairSpec) and pair.k == "auto"
 
 
 def test_specs_are_frozen() -> None:
@@ -137,7 +146,8 @@ def test_specs_are_frozen() -> None:
         ("[models.m]\nn_ctx = 1\n", "models.m.path: missing"),
         ('[pairs.p]\ntarget = "a.gguf"\n', "pairs.p.draft: missing"),
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\ntemp = "hot"\n', "pairs.p.temp: must be a number"),
-        ('[pairs.p]\ntarget = "a"\ndraft = "b"\nk = 0\n', "pairs.p.k: must be at least 1"),
+        ('[pairs.p]\ntarget = "a"\ndraft = "b"\nk = 0\n', "pairs.p.k: must be a number of at"),
+        ('[pairs.p]\ntarget = "a"\ndraft = "b"\nk = "many"\n', "pairs.p.k: must be a number of"),
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\nn_gpu_layers = 1\n', "pairs.p.n_gpu_layers"),
         ('[pairs.p]\ntarget = "p"\ndraft = "b"\n', "pairs.p.target: 'p' is a pair"),
         ('[model.m]\npath = "a.gguf"\n', "model: unknown table"),

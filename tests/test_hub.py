@@ -58,8 +58,11 @@ def gguf_bytes(name: str) -> bytes:
     return GGUF_HEADER + name.encode()
 
 
-def add_to_cache(cache: Path, repo_id: str, names: list[str]) -> Path:
+def add_to_cache(
+    cache: Path, repo_id: str, names: list[str], contents: dict[str, bytes] | None = None
+) -> Path:
     """Lay out a cached repo as huggingface-hub does; return its snapshot directory.
+    Files hold `contents[name]` where given, else an empty GGUF of their own.
 
     models--OWNER--REPO/refs/main holds the commit; snapshots/COMMIT/FILE is a relative
     symlink to blobs/SHA256 (LFS files are stored under their sha256).
@@ -69,7 +72,7 @@ def add_to_cache(cache: Path, repo_id: str, names: list[str]) -> Path:
     (repo_dir / "refs" / "main").write_text(COMMIT)  # no newline, as huggingface-hub writes it
     snapshot = repo_dir / "snapshots" / COMMIT
     for name in names:
-        data = gguf_bytes(name)
+        data = (contents or {}).get(name) or gguf_bytes(name)
         blob = repo_dir / "blobs" / hashlib.sha256(data).hexdigest()
         blob.parent.mkdir(parents=True, exist_ok=True)
         blob.write_bytes(data)

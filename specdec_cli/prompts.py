@@ -1,0 +1,65 @@
+"""Where prompts come from: -p, -f, stdin, a --prompts file; text that is not UTF-8."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from specdec_cli.display import warn
+from specdec_cli.errors import UserError
+
+
+def read_prompt(prompt: str | None, file: Path | None, messages: str | None) -> str | None:
+    """The prompt from -p, -f or stdin; None when --messages gives the conversation and
+    neither -p nor -f is given (stdin is then left alone). Never empty: generating from
+    BOS alone is not what anyone asks for."""
+    if prompt is not None and file is not None:
+        raise UserError("give the prompt with -p or with -f, not both")
+    # Like llama.cpp's -f: one trailing newline is the file's end, not part of the prompt.
+    if file is not None:
+        text, origin = read_text(file).removesuffix("\n"), str(file)
+    elif prompt is None and messages is not None:
+        return None
+    elif prompt == "-" or (prompt is None and not sys.stdin.isatty()):
+        text, origin = decode(sys.stdin.buffer.read(), "stdin").removesuffix("\n"), "stdin"
+    elif prompt is None:
+        raise UserError("no prompt: give -p TEXT, -f FILE, or pipe text on stdin")
+    else:
+        text, origin = prompt, "-p"
+    if not text:
+        raise UserError(f"the prompt ({origin}) is empty; give some text with -p, -f or stdin")
+    return text
+
+
+def read_prompts(path: Path) -> dict[int, str]:
+    """The prompts of a --prompts file by line number (from 1); blank lines are skipped."""
+    lines = {
+        number: line
+        for number, line in enumerate(read_text(path).splitlines(), start=1)
+        if line.strip()
+    }
+    if not lines:
+        raise UserError(f"{path} has no prompts; write one prompt per line")
+    return lines
+
+
+def read_text(path: Path) -> str:
+    try:
+        return decode(path.read_bytes(), str(path))
+    except FileNotFoundError:
+        raise UserError(f"file not found: {path}; check the path") from None
+    except OSError as err:
+        raise UserError(f"cannot read {path}: {err.strerror or err}") from None
+
+
+def decode(data: bytes, origin: str) -> str:
+    """UTF-8 text; other bytes (a Latin-1 file, binary input) become U+FFFD, said once."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        warn(
+            f"{origin} is not UTF-8 text (byte 0x{data[err.start]:02x} at offset {err.start}); "
+            "bytes that are not UTF-8 were replaced with U+FFFD (convert the text to UTF-8 "
+            "to keep them)"
+        )
+        return data.decode("utf-8", errors="replace")
