@@ -626,8 +626,7 @@ def run(
             "--seed",
             metavar="N",
             help=described(
-                "Random seed; -1 picks one (and reports it). Sampled text repeats exactly "
-                "with a fixed -k (-k auto follows measured timings).",
+                "Random seed; -1 picks one (and reports it).",
                 GenerationOptions.seed,
             ),
         ),

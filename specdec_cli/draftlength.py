@@ -128,10 +128,15 @@ class AutoLength:
         uses_confidence: bool = True,
         decay: float = 0.93,
         prior: float = 0.8,
+        follows_clock: bool = True,
     ) -> None:
         # Seconds per target token and per draft call follow the machine as it runs; the
         # relative costs of batch sizes keep their measured values, which were taken side
         # by side (learning them one size at a time would mix in the machine's drift).
+        # Not when sampling (`follows_clock` False): there the draft length decides which
+        # random numbers each token uses, so a k that followed the clock would make one
+        # seed give different text from run to run. k then follows acceptance alone.
+        self.follows_clock = follows_clock
         self.target_seconds = t = costs.target_seconds
         self.draft_seconds = costs.draft_over_target * t
         self.verify = costs.verify
@@ -249,6 +254,9 @@ class AutoLength:
         self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
     ) -> None:
         n = len(draft.tokens)
+        if not self.follows_clock:  # the round's modelled seconds stand for the clock's
+            draft_seconds = draft.calls * self.draft_seconds
+            verify_seconds = self.verify[n + 1] * self.target_seconds
         learn = 1.0 - self.decay
         # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
         # a tenth of the rate, so that one noisy round does not move them much.

@@ -226,7 +226,12 @@ class Engine:
             if kind == "ngram":  # a lookup costs next to nothing
                 costs = replace(costs, draft_over_target=0.0)
             length = AutoLength(
-                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=d.p_min > 0.0
+                costs,
+                d.draft_min,
+                d.draft_max,
+                d.p_min,
+                uses_confidence=d.p_min > 0.0,
+                follows_clock=sampling.greedy,  # greedy text does not depend on k
             )
         else:
             length = FixedLength(n, d.p_min)

@@ -155,3 +155,29 @@ def test_auto_steps_over_lengths_that_are_never_best() -> None:
     chosen = random_rounds(policy, 0.9, 60)
     assert chosen[0] == 1  # a prior of 60 % starts it short
     assert set(chosen[-20:]) >= {3} and 2 not in chosen
+
+
+def clocked_rounds(policy: AutoLength, slowdown: float, rounds: int = 80) -> list[int]:
+    """Rounds with a fixed acceptance pattern, timed as on a machine `slowdown` times
+    slower at drafting than the measured costs say."""
+    chosen = []
+    t = CHEAP.target_seconds
+    for r in range(rounds):
+        k = policy.choose(100)
+        chosen.append(k)
+        accepted = min(k, r % 5)
+        draft_seconds = slowdown * k * CHEAP.draft_over_target * t
+        policy.observe(draft_of(k), accepted, draft_seconds, CHEAP.verify[k + 1] * t)
+    return chosen
+
+
+def test_sampled_runs_choose_k_from_acceptance_alone() -> None:
+    """With sampling, k decides which random numbers each token uses: a seed must give
+    the same draft lengths (and so the same text) however fast the machine runs."""
+
+    def run(slowdown: float, follows_clock: bool) -> list[int]:
+        policy = AutoLength(CHEAP, 0, 16, uses_confidence=False, follows_clock=follows_clock)
+        return clocked_rounds(policy, slowdown)
+
+    assert run(1.0, follows_clock=False) == run(40.0, follows_clock=False)
+    assert run(1.0, follows_clock=True) != run(40.0, follows_clock=True)  # greedy follows it
