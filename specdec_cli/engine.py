@@ -7,6 +7,7 @@ policy, which sampling settings, and the compatibility check between the two mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -78,6 +79,14 @@ class EngineOptions:
     verbose: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     drafting: DraftOptions = field(default_factory=DraftOptions)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Generated text, and whether an accepted draft token (else the target) produced it."""
+
+    text: str
+    drafted: bool
 
 
 def drafter_kind(model: bool, ngram: bool) -> str | None:
@@ -366,23 +375,40 @@ class Engine:
         stats: Stats,
         stop: tuple[str, ...] = (),
         decoder: Decoder | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[str]:
         """Yield the generated text in pieces as the tokens are accepted."""
+        with closing(self.pieces(prompt, n_predict, rng, stats, stop, decoder, sampling)) as pieces:
+            for piece in pieces:
+                yield piece.text
+
+    def pieces(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        stop: tuple[str, ...] = (),
+        decoder: Decoder | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Iterator[Piece]:
+        """The generated text in pieces, each saying whether an accepted draft token or the
+        target's own produced it. `sampling`: this generation's (None: the options')."""
         stream = TextStream(stop)
         stats.flash_attn = self.flash_attn
-        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
+        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats, sampling)
         try:
             for new in rounds:
-                for token in new.tokens:
+                for i, token in enumerate(new.tokens):
                     text = stream.push(self.model.piece(token))
                     if text:
-                        yield text
+                        yield Piece(text, drafted=i < new.n_drafted)
                     if stream.stopped:
                         stats.stop_reason = "stop"
                         return
             tail = stream.flush()
             if tail:
-                yield tail
+                yield Piece(tail, drafted=False)
         finally:
             rounds.close()
 
