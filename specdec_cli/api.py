@@ -42,6 +42,7 @@ class ApiError(Exception):
     def __init__(
         self,
         message: str,
+        *,
         status: int = 400,
         param: str | None = None,
         code: str | None = None,
@@ -252,7 +253,9 @@ def _prompt(body: dict[str, object]) -> tuple[str | None, tuple[int, ...] | None
     if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
         return None, tuple(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError("one prompt per request (a list of several is not supported)", "prompt")
+        raise ApiError(
+            "one prompt per request (a list of several is not supported)", param="prompt"
+        )
     raise ApiError("prompt must be a string or a list of token ids", param="prompt")
 
 

@@ -224,7 +224,9 @@ class Service:
         elif request.tokens is not None:
             tokens = list(request.tokens)
             if not all(0 <= t < model.n_vocab for t in tokens):
-                raise ApiError(f"prompt token ids must be from 0 to {model.n_vocab - 1}", "prompt")
+                raise ApiError(
+                    f"prompt token ids must be from 0 to {model.n_vocab - 1}", param="prompt"
+                )
         else:
             tokens = model.tokenize(request.text or "")
         n_ctx = self.engine.target.n_ctx
