@@ -179,14 +179,18 @@ class Service:
             return default
         if speculation not in self._decoders:
             kind = default.drafter.name if speculation.enabled and default.drafter else None
-            if speculation.enabled and kind is None:
-                raise ApiError(
-                    "this server has no drafter (start it with -d DRAFT or -d ngram); "
-                    'send "speculative": false',
-                    param="speculative",
-                )
             self._decoders[speculation] = self.engine.make_decoder(kind, speculation.k or "1")
         return self._decoders[speculation]
+
+    def check_speculation(self, speculation: Speculation) -> None:
+        """A draft length needs a drafter: refuse it before the request is queued."""
+        assert self.engine is not None
+        if speculation.k is not None and self.engine.decoder.drafter is None:
+            raise ApiError(
+                "this server has no drafter (start it with -d DRAFT or -d ngram); "
+                'send "speculative": false, or leave it out',
+                param="speculative",
+            )
 
     # In the event loop.
 
@@ -501,6 +505,7 @@ class Api:
             )
         body = await read_body(request)
         parsed = parse_request(parse_body(body), endpoint.chat, service.engine_options.sampling)
+        service.check_speculation(parsed.speculation)
         try:
             prompt = await asyncio.to_thread(service.prompt_tokens, parsed)
         except UserError as err:  # a chat template llama.cpp does not know, say

@@ -3,6 +3,8 @@ official openai client and by raw HTTP for what a well-behaved client never send
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
 import os
 import shutil
@@ -117,7 +119,7 @@ def plain_server(
     args += ["-c", str(LONG_CONTEXT)]
     proc = start(tmp_path_factory.mktemp("serve-plain"), *args)
     yield proc
-    assert proc.stop() == 0, proc.output()
+    assert proc.stop(signal.SIGINT) == 0, proc.output()  # Ctrl-C: as SIGTERM
 
 
 @pytest.fixture(scope="module")
@@ -498,25 +500,100 @@ def test_a_taken_port_is_refused_in_one_line(target_model: Path) -> None:
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 
+class Browser:
+    """Headless Chromium driven over the DevTools protocol on a pipe (--remote-debugging-pipe:
+    it reads commands on fd 3 and answers on fd 4, NUL-terminated JSON), no extra package."""
+
+    def __init__(self, binary: str) -> None:
+        self._commands_in, self._commands = os.pipe()
+        self._answers, self._answers_out = os.pipe()
+        child_fds = (self._commands_in, self._answers_out)
+
+        def on_fds_3_and_4() -> None:
+            os.dup2(child_fds[0], 3)
+            os.dup2(child_fds[1], 4)
+
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--remote-debugging-pipe"]
+        self.process = subprocess.Popen(
+            [binary, *flags, "about:blank"],
+            preexec_fn=on_fds_3_and_4,
+            close_fds=False,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        os.close(self._commands_in)
+        os.close(self._answers_out)
+        self._next_id = 0
+        self._buffer = b""
+        self.session: str | None = None
+
+    def send(self, method: str, **params: object) -> dict:
+        self._next_id += 1
+        message = {"id": self._next_id, "method": method, "params": params}
+        if self.session:
+            message["sessionId"] = self.session
+        os.write(self._commands, json.dumps(message).encode() + b"\0")
+        while True:
+            answer = self._read()
+            if answer.get("id") == self._next_id:
+                assert "error" not in answer, answer
+                return answer["result"]
+
+    def _read(self) -> dict:
+        while b"\0" not in self._buffer:
+            data = os.read(self._answers, 1 << 16)
+            assert data, "chromium closed its DevTools pipe"
+            self._buffer += data
+        message, self._buffer = self._buffer.split(b"\0", 1)
+        return json.loads(message)
+
+    def open(self, url: str) -> None:
+        target = self.send("Target.createTarget", url=url)["targetId"]
+        self.session = self.send("Target.attachToTarget", targetId=target, flatten=True)[
+            "sessionId"
+        ]
+
+    def evaluate(self, expression: str) -> object:
+        return self.send("Runtime.evaluate", expression=expression, returnByValue=True)[
+            "result"
+        ].get("value")
+
+    def close(self) -> None:
+        self.session = None
+        with contextlib.suppress(AssertionError, OSError):  # it may be gone already
+            self.send("Browser.close")
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        os.close(self._commands)
+        os.close(self._answers)
+
+
 @pytest.mark.skipif(CHROMIUM is None, reason="no chromium installed (apt-get install chromium)")
-def test_page_streams_a_reply_with_draft_tokens_coloured(plain_server: ServerProcess) -> None:
-    """The page in headless Chromium: ?prompt= sends at once; after the stream, the DOM
-    holds the reply as spans marked draft or target, and the final figures."""
-    result = subprocess.run(
-        [
-            CHROMIUM,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--virtual-time-budget=30000",
-            "--dump-dom",
-            f"{plain_server.url}/?prompt=Once%20upon%20a%20time%20Once%20upon%20a%20time",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    dom = result.stdout
-    assert 'class="turn user"' in dom and 'class="turn assistant"' in dom
-    assert '<span class="target">' in dom
-    assert 'data-done="1"' in dom and "tok/s" in dom and "accepted" in dom
+def test_page_streams_a_reply_with_draft_tokens_coloured(
+    plain_server: ServerProcess, tmp_path: Path
+) -> None:
+    """The page in headless Chromium: ?prompt= sends at once. After the streamed reply,
+    the DOM holds it as spans marked draft or target, and the final figures."""
+    browser = Browser(CHROMIUM)
+    try:
+        prompt = "Once upon a time there was a ball. Once upon a time there was a ball."
+        browser.open(f"{plain_server.url}/?max_tokens=64&prompt={prompt.replace(' ', '%20')}")
+        deadline = time.monotonic() + 60
+        done = 'document.getElementById("stats").dataset.done === "1"'
+        while not browser.evaluate(done) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        spans = browser.evaluate(
+            'Array.from(document.querySelectorAll(".assistant span"), s => s.className)'
+        )
+        stats = browser.evaluate('Object.assign({}, document.getElementById("stats").dataset)')
+        text = browser.evaluate('document.getElementById("stats").textContent')
+        shot = browser.send("Page.captureScreenshot", format="png")["data"]
+        (tmp_path / "page.png").write_bytes(base64.b64decode(shot))  # to look at, if need be
+    finally:
+        browser.close()
+    assert stats["done"] == "1", text
+    assert set(spans) == {"draft", "target"}  # n-gram lookup drafts on a repeated prompt
+    assert int(stats["tokens"]) == 64 and 0 < int(stats["accepted"]) <= int(stats["drafted"])
+    assert "tok/s" in text and f"accepted {stats['accepted']}/{stats['drafted']}" in text
