@@ -296,7 +296,7 @@ class Metrics:
         lines = []
         for name, kind, help_text, samples in rows:
             lines += [f"# HELP specdec:{name} {help_text}.", f"# TYPE specdec:{name} {kind}"]
-            lines += [f"specdec:{name}{suffix} {value:g}" for suffix, value in samples]
+            lines += [f"specdec:{name}{suffix} {value}" for suffix, value in samples]
         return "\n".join(lines) + "\n"
 
 
