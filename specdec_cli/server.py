@@ -140,7 +140,9 @@ class Service:
     def run(self, job: Job) -> Stats:
         stats = Stats()
         try:
-            if not self._should_stop(job):
+            if self._should_stop(job):  # its client left, or the server stops, while it waited
+                stats.stop_reason = "cancelled"
+            else:
                 self._generate(job, stats)
             job.emit(Finished(stats))
         except Exception as err:  # one failed generation must not end the server
