@@ -96,7 +96,12 @@ def parse_messages(text: str, origin: str) -> tuple[Message, ...]:
         raise UserError(f"{origin} holds a JSON {_kind(data)}; --messages takes {MESSAGES_FORMAT}")
     if not data:
         raise UserError(f"{origin} holds an empty list; --messages takes {MESSAGES_FORMAT}")
-    return tuple(_message(item, f"{origin}: messages[{i}]") for i, item in enumerate(data))
+    return messages_from(data, origin)
+
+
+def messages_from(items: list[object], origin: str) -> tuple[Message, ...]:
+    """Messages from a parsed JSON list (a file's, or a chat request's "messages")."""
+    return tuple(_message(item, f"{origin}: messages[{i}]") for i, item in enumerate(items))
 
 
 def _message(item: object, where: str) -> Message:

@@ -17,8 +17,9 @@ import numpy as np
 import typer
 
 from specdec_cli import __version__, interrupt
+from specdec_cli.api import ServeOptions
 from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
-from specdec_cli.chat import ChatOptions, chat_options
+from specdec_cli.chat import ChatOptions, chat_options, template_override
 from specdec_cli.config import ModelSpec, PairSpec, load_config, pair_lines
 from specdec_cli.display import (
     DRAFTED_COLOR,
@@ -33,7 +34,6 @@ from specdec_cli.display import (
 )
 from specdec_cli.engine import (
     DEFAULT_MAX_CTX,
-    TARGET,
     DraftOptions,
     Engine,
     EngineOptions,
@@ -726,7 +726,7 @@ def run(
             _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, output)
 
 
-def ignored_options(options: EngineOptions, k: str | None, color: bool) -> list[str]:
+def ignored_options(options: EngineOptions, k: str | None, color: bool = False) -> list[str]:
     """Options that would do nothing as given: one warning line each."""
     out = []
     if k is not None and options.draft is None and not options.ngram:
@@ -779,10 +779,10 @@ def _run_one(
     rng = np.random.default_rng(generation.seed)
     try:
         with interrupt.generating():
-            for piece in engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop):
+            for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
                 pieces.append(piece)
                 if piece.text:
-                    display.text(piece.text, drafted=piece.by != TARGET)
+                    display.text(piece.text, drafted=piece.drafted)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
     display.finish()
@@ -828,9 +828,7 @@ def _run_many(
         rng = np.random.default_rng(seed)
         try:
             with interrupt.generating():
-                pieces = list(
-                    engine.generate_pieces(tokens, generation.n_predict, rng, stats, stop)
-                )
+                pieces = list(engine.pieces(tokens, generation.n_predict, rng, stats, stop))
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
         out = "".join(p.text for p in pieces)
@@ -987,6 +985,146 @@ def bench(
             raise UserError(f"cannot write {json_path}: {err.strerror or err}") from None
     if plot_path:
         write_plot(report, str(plot_path))
+
+
+@app.command()
+def serve(
+    model: ModelOpt,
+    draft: Annotated[
+        list[str] | None,
+        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
+    ] = None,
+    k: Annotated[
+        str | None,
+        typer.Option(
+            "-k",
+            "--draft-length",
+            metavar="N|auto",
+            help=described(
+                'Draft length for requests that do not set "speculative": {"k": N}.',
+                DraftOptions.k,
+            ),
+        ),
+    ] = None,
+    host: Annotated[
+        str | None,
+        typer.Option(
+            "--host",
+            metavar="HOST",
+            help=described(
+                "Address to listen on (0.0.0.0: every interface; mind --api-key).",
+                ServeOptions.host,
+            ),
+        ),
+    ] = None,
+    port: Annotated[
+        int | None,
+        typer.Option(
+            "--port", min=0, max=65535, metavar="N", help=described("Port.", ServeOptions.port)
+        ),
+    ] = None,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            "--api-key",
+            metavar="KEY",
+            help="Require 'Authorization: Bearer KEY' on every endpoint but /health and the "
+            "page at /.",
+        ),
+    ] = None,
+    alias: Annotated[
+        str | None,
+        typer.Option(
+            "-a",
+            "--alias",
+            metavar="NAME",
+            help=described("The model's name in the API.", "the target's file name"),
+        ),
+    ] = None,
+    cors: Annotated[
+        str | None,
+        typer.Option(
+            "--cors",
+            metavar="ORIGIN",
+            help=described("Let web pages from ORIGIN call the API.", "no CORS"),
+        ),
+    ] = None,
+    queue: Annotated[
+        int | None,
+        typer.Option(
+            "--queue",
+            min=0,
+            metavar="N",
+            help=described(
+                "Requests that may wait behind the one being generated; more get 503 "
+                "with Retry-After.",
+                ServeOptions.queue,
+            ),
+        ),
+    ] = None,
+    chat_template: Annotated[
+        str | None,
+        typer.Option(
+            "--chat-template",
+            metavar="NAME|FILE",
+            help="The chat format for /v1/chat/completions instead of the model's own: a "
+            f"llama.cpp built-in name ({', '.join(builtin_chat_templates())}) or a template "
+            "file llama.cpp recognises.",
+        ),
+    ] = None,
+    temp: temp_option(SamplingParams.temp) = None,
+    top_k: TopKOpt = None,
+    top_p: TopPOpt = None,
+    min_p: MinPOpt = None,
+    ctx_size: CtxOpt = None,
+    batch_size: BatchOpt = None,
+    ubatch_size: UBatchOpt = None,
+    threads: ThreadsOpt = None,
+    threads_draft: ThreadsDraftOpt = None,
+    n_gpu_layers: NglOpt = None,
+    n_gpu_layers_draft: NgldOpt = None,
+    device: DeviceOpt = None,
+    device_draft: DeviceDraftOpt = None,
+    repack: RepackOpt = None,
+    flash_attn: FlashOpt = None,
+    draft_max: DraftMaxOpt = None,
+    draft_min: DraftMinOpt = None,
+    draft_p_min: DraftPMinOpt = None,
+    ngram_min: NgramMinOpt = None,
+    ngram_max: NgramMaxOpt = None,
+    config: ConfigOpt = None,
+    verbose: VerboseOpt = False,
+) -> None:
+    """Serve the models over an OpenAI-compatible HTTP API, speculatively.
+
+    POST /v1/completions and /v1/chat/completions (streamed or not), GET /v1/models,
+    /health, /metrics (Prometheus), and a chat page at /. Sampling flags are the
+    defaults for requests that do not set their own. Stops on Ctrl-C or SIGTERM.
+
+    \b
+    Example:
+      specdec serve -m target.gguf -d draft.gguf --port 8080 --api-key secret
+    """
+    try:
+        from specdec_cli.server import serve as run_server
+    except ImportError as err:
+        raise UserError(
+            f"specdec serve needs the server extra ({err.name} is missing): "
+            "pip install 'specdec-cli[server]'"
+        ) from None
+    options, _ = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
+    for message in ignored_options(options, k):
+        warn(message)
+    given = _given(
+        host=host,
+        port=port,
+        api_key=api_key,
+        alias=alias,
+        cors=cors,
+        queue=queue,
+        chat_template=template_override(chat_template) if chat_template else None,
+    )
+    run_server(options, ServeOptions(**given))
 
 
 def check_writable(path: Path, flag: str) -> None:

@@ -48,10 +48,17 @@ class Decoder:
         self.label = label  # how the user named the draft length: "4", "auto"
 
     def generate(
-        self, prompt: list[int], n_predict: int, rng: np.random.Generator, stats: Stats
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[Round]:
         """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
         (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
+        `sampling`: this generation's settings (None: the decoder's own), for the target
+        and the drafter alike, so that one decoder serves requests that sample differently.
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
         Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
@@ -71,8 +78,9 @@ class Decoder:
         t_start = time.perf_counter()
         # The last prompt token goes into the first verification batch.
         stats.prompt_reused = target.prefill(prompt[:-1])
+        sampling = sampling or self.sampling
         if drafter:
-            drafter.begin(prompt)
+            drafter.begin(prompt, sampling)
         stats.prompt_tokens = len(prompt)
         contexts = [target, draft_ctx] if draft_ctx else [target]
         verify_before = target.decode_seconds
@@ -103,15 +111,15 @@ class Decoder:
                 target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
                 batch = [*unseen, *draft.tokens]
                 target.decode(batch, len(target.tokens), n_logits=len(draft.tokens) + 1)
-                n_accepted, next_token = self._verify(draft, rng)
+                n_accepted, next_token = self._verify(draft, rng, sampling)
                 # Keep the accepted drafts, drop the rejected ones.
                 target.rewind(len(tokens) + n_accepted)
-                self.length.observe(
-                    draft,
-                    n_accepted,
-                    _decode_seconds(draft_ctx) - draft_start,
-                    target.decode_seconds - verify_start,
-                )
+                if sampling.greedy:  # greedy text is the same whatever k: follow the clock
+                    draft_seconds = _decode_seconds(draft_ctx) - draft_start
+                    verify_seconds: float | None = target.decode_seconds - verify_start
+                else:  # k decides which random numbers go where: a seed must reproduce
+                    draft_seconds = verify_seconds = None
+                self.length.observe(draft, n_accepted, draft_seconds, verify_seconds)
 
                 new = [*draft.tokens[:n_accepted], next_token]
                 eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)
@@ -141,13 +149,15 @@ class Decoder:
             if draft_ctx:
                 stats.draft_calls = draft_ctx.decode_calls - draft_calls_before
 
-    def _verify(self, draft: Draft, rng: np.random.Generator) -> tuple[int, int]:
+    def _verify(
+        self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams
+    ) -> tuple[int, int]:
         """Row i of the target's logits follows the context plus draft[:i]."""
         logits = self.target.logits
-        if self.sampling.greedy:
+        if sampling.greedy:
             return verify_greedy(draft.tokens, lambda i: int(np.argmax(logits(i))))
         return verify_sampled(
-            draft.tokens, draft.dists, lambda i: distribution(logits(i), self.sampling), rng
+            draft.tokens, draft.dists, lambda i: distribution(logits(i), sampling), rng
         )
 
 

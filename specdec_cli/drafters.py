@@ -33,7 +33,9 @@ class Drafter(Protocol):
     name: str
     ctx: Context | None  # the draft model's context, if it has one
 
-    def begin(self, prompt: list[int]) -> None: ...
+    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        """A new generation from `prompt`, sampling with `sampling` (None: as before)."""
+        ...
 
     def propose(
         self,
@@ -67,7 +69,9 @@ class ModelDrafter:
         self._unchecked: list[int] = []
         self._scratch = np.empty(0, np.float32)
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        if sampling is not None:
+            self.sampling = sampling
         self.ctx.prefill(prompt[:-1])
         self._n_cached, self._unchecked = len(prompt) - 1, []
 
@@ -152,7 +156,9 @@ class NgramDrafter:
         self._last_end: dict[tuple[int, ...], int] = {}
         self._indexed = 0  # n-grams ending before this index are in _last_end
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        if sampling is not None:
+            self.greedy = sampling.greedy
         self._last_end = {}
         self._indexed = 0
 
@@ -202,9 +208,9 @@ class LookupThenModel:
         self.hit_rate = {lookup.name: 1.0, model.name: 1.0}  # the model, until the lookup wins
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
 
-    def begin(self, prompt: list[int]) -> None:
-        self.lookup.begin(prompt)
-        self.model.begin(prompt)
+    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        self.lookup.begin(prompt, sampling)
+        self.model.begin(prompt, sampling)
         self._guesses = []
 
     def _score(self, tokens: list[int]) -> None:

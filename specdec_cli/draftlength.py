@@ -2,9 +2,11 @@
 
 The decode loop asks `choose(limit)` before each round and reports `observe(...)`
 after it: what was drafted, how much was accepted, and how long drafting and
-verification took. A drafter that knows how sure it is (a draft model) asks
-`keep_drafting(i, confidence)` before adding draft token i (0-based), with its top
-probability at that point.
+verification took (None when sampling: there the draft length decides which random
+numbers each token uses, so a k that followed the clock would make one seed give
+different text from run to run; k then follows acceptance alone). A drafter that
+knows how sure it is (a draft model) asks `keep_drafting(i, confidence)` before adding
+draft token i (0-based), with its top probability at that point.
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ class DraftLength(Protocol):
     def keep_drafting(self, i: int, confidence: float) -> bool: ...
 
     def observe(
-        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+        self,
+        draft: Draft,
+        accepted: int,
+        draft_seconds: float | None,
+        verify_seconds: float | None,
     ) -> None: ...
 
 
@@ -43,7 +49,11 @@ class FixedLength:
         return i == 0 or confidence >= self.p_min
 
     def observe(
-        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+        self,
+        draft: Draft,
+        accepted: int,
+        draft_seconds: float | None,
+        verify_seconds: float | None,
     ) -> None:
         pass
 
@@ -128,15 +138,10 @@ class AutoLength:
         uses_confidence: bool = True,
         decay: float = 0.93,
         prior: float = 0.8,
-        follows_clock: bool = True,
     ) -> None:
         # Seconds per target token and per draft call follow the machine as it runs; the
         # relative costs of batch sizes keep their measured values, which were taken side
         # by side (learning them one size at a time would mix in the machine's drift).
-        # Not when sampling (`follows_clock` False): there the draft length decides which
-        # random numbers each token uses, so a k that followed the clock would make one
-        # seed give different text from run to run. k then follows acceptance alone.
-        self.follows_clock = follows_clock
         self.target_seconds = t = costs.target_seconds
         self.draft_seconds = costs.draft_over_target * t
         self.verify = costs.verify
@@ -251,10 +256,14 @@ class AutoLength:
         return True
 
     def observe(
-        self, draft: Draft, accepted: int, draft_seconds: float, verify_seconds: float
+        self,
+        draft: Draft,
+        accepted: int,
+        draft_seconds: float | None,
+        verify_seconds: float | None,
     ) -> None:
         n = len(draft.tokens)
-        if not self.follows_clock:  # the round's modelled seconds stand for the clock's
+        if draft_seconds is None or verify_seconds is None:  # untimed: the modelled costs
             draft_seconds = draft.calls * self.draft_seconds
             verify_seconds = self.verify[n + 1] * self.target_seconds
         learn = 1.0 - self.decay

@@ -7,6 +7,7 @@ policy, which sampling settings, and the compatibility check between the two mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -226,12 +227,7 @@ class Engine:
             if kind == "ngram":  # a lookup costs next to nothing
                 costs = replace(costs, draft_over_target=0.0)
             length = AutoLength(
-                costs,
-                d.draft_min,
-                d.draft_max,
-                d.p_min,
-                uses_confidence=d.p_min > 0.0,
-                follows_clock=sampling.greedy,  # greedy text does not depend on k
+                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=d.p_min > 0.0
             )
         else:
             length = FixedLength(n, d.p_min)
@@ -371,13 +367,15 @@ class Engine:
         stats: Stats,
         stop: tuple[str, ...] = (),
         decoder: Decoder | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[str]:
         """Yield the generated text in pieces as the tokens are accepted."""
-        for piece in self.generate_pieces(prompt, n_predict, rng, stats, stop, decoder):
-            if piece.text:
-                yield piece.text
+        with closing(self.pieces(prompt, n_predict, rng, stats, stop, decoder, sampling)) as pieces:
+            for piece in pieces:
+                if piece.text:
+                    yield piece.text
 
-    def generate_pieces(
+    def pieces(
         self,
         prompt: list[int],
         n_predict: int,
@@ -385,12 +383,14 @@ class Engine:
         stats: Stats,
         stop: tuple[str, ...] = (),
         decoder: Decoder | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[Piece]:
         """Yield one Piece per generated token, saying who proposed it, and a last one
-        (token None) for text held back until the end."""
+        (token None) for text held back until the end. `sampling`: this generation's
+        (None: the options')."""
         stream = TextStream(stop)
         stats.flash_attn = self.flash_attn
-        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats)
+        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats, sampling)
         try:
             for new in rounds:
                 for i, token in enumerate(new.tokens):
@@ -415,6 +415,10 @@ class Piece:
     text: str
     token: int | None  # None: the end of generation, releasing what was held back
     by: str  # TARGET, or the drafter whose guess the target accepted ("model", "ngram")
+
+    @property
+    def drafted(self) -> bool:
+        return self.by != TARGET
 
 
 def batch_warnings(options: EngineOptions) -> list[str]:

@@ -32,6 +32,7 @@ SHOW_CURSOR = b"\x1b[?25h"  # rich hides the cursor while a live line or progres
 class _State:
     installed = False
     generating = False  # Ctrl-C raises KeyboardInterrupt (see `generating` below)
+    serving = False  # a server's own handler takes Ctrl-C (see `handled_by_server` below)
     taken = threading.Event()  # the main thread raised KeyboardInterrupt for a Ctrl-C
     done = threading.Event()  # generation ended (normally, or by that KeyboardInterrupt)
     sockets: tuple[socket.socket, socket.socket] | None = None  # kept open for the process
@@ -62,6 +63,18 @@ def generating() -> Iterator[None]:
         _State.done.set()
 
 
+@contextmanager
+def handled_by_server() -> Iterator[None]:
+    """While a server has its own SIGINT handler (a graceful shutdown: streams get their
+    last chunk, exit code 0), the watcher leaves Ctrl-C to it. The server's event loop
+    runs on the main thread and decodes elsewhere, so its handler is never held up."""
+    _State.serving = True
+    try:
+        yield
+    finally:
+        _State.serving = False
+
+
 def _on_sigint(signum: int, frame: object) -> None:
     if not _State.generating:
         exit_now()
@@ -75,7 +88,7 @@ def _watch(receiver: socket.socket) -> None:
         data = receiver.recv(64)
         if not data:
             return
-        if signal.SIGINT not in data:
+        if signal.SIGINT not in data or _State.serving:
             continue
         # The main thread may have taken it already, and even left generation since.
         generating = _State.generating

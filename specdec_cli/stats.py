@@ -41,6 +41,9 @@ class Stats:
     batch_sizes: Counter[int] = field(default_factory=Counter)
     proposed_by: Counter[str] = field(default_factory=Counter)
     accepted_by: Counter[str] = field(default_factory=Counter)
+    # Draft tokens accepted at each place in their draft (0: the first): vLLM's per-position
+    # acceptance, which shows where drafts go wrong.
+    accepted_at: Counter[int] = field(default_factory=Counter)
     prompt_seconds: float = 0.0
     seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -67,6 +70,7 @@ class Stats:
         if n_drafted:
             self.proposed_by[source] += n_drafted
             self.accepted_by[source] += n_accepted
+            self.accepted_at.update(range(n_accepted))
 
     def add(self, other: Stats) -> None:
         """Count `other`'s generation into this one (counters and times; not labels)."""

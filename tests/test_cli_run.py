@@ -221,7 +221,7 @@ def test_closed_pipe_ends_quietly(target_model: Path) -> None:
 
 
 def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> None:
-    real_generate = Engine.generate_pieces
+    real_generate = Engine.pieces
 
     def interrupted(self, *args, **kwargs):
         for i, piece in enumerate(real_generate(self, *args, **kwargs)):
@@ -229,7 +229,7 @@ def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> N
                 raise KeyboardInterrupt
             yield piece
 
-    monkeypatch.setattr(Engine, "generate_pieces", interrupted)
+    monkeypatch.setattr(Engine, "pieces", interrupted)
     result = CliRunner().invoke(
         cli.app, ["run", "-m", str(target_model), "-p", "Once", "-n", "50", *GREEDY]
     )

@@ -71,13 +71,14 @@ def generate(
     seed: int = 0,
     decoder: Decoder | None = None,
     prompt: list[int] | None = None,
+    sampling: SamplingParams | None = None,
 ) -> tuple[list[int], Stats]:
     """Generated tokens (without the end-of-generation token) for `prompt` (default: PROMPT)."""
     stats = Stats()
     prompt = engine.tokenize(PROMPT) if prompt is None else prompt
     out: list[int] = []
     rng = np.random.default_rng(seed)
-    for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, stats):
+    for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, stats, sampling):
         out += new.tokens
     return out, stats
 
@@ -95,6 +96,20 @@ def fixture_reference(target_model: Path) -> list[int]:
 @pytest.fixture(scope="module")
 def stories_reference(stories260k: Path) -> list[int]:
     return target_only(stories260k, n_predict=128)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "model+ngram"])
+def test_sampling_is_an_argument_of_each_generation(
+    target_model: Path, draft_model: Path, fixture_reference: list[int], drafter: str
+) -> None:
+    """One decoder, built to sample at 0.8, follows the settings each generation passes
+    (as `specdec serve` needs): greedy, then top-k 1 at a high temperature (greedy too),
+    in the drafter as in the target, whose sampled output would differ."""
+    with open_engine(target_model, draft_model, 3, SamplingParams(temp=0.8)) as engine:
+        decoder = engine.make_decoder(drafter, "3")
+        for sampling in (GREEDY, SamplingParams(temp=1.5, top_k=1)):
+            assert generate(engine, decoder=decoder, sampling=sampling)[0] == fixture_reference
+        assert generate(engine, decoder=decoder)[0] != fixture_reference
 
 
 def test_reference_is_a_real_continuation(fixture_reference: list[int]) -> None:
@@ -196,7 +211,7 @@ class WrongDrafter:
     def __init__(self, reference: list[int], n_prompt: int, n_vocab: int) -> None:
         self.reference, self.n_prompt, self.n_vocab = reference, n_prompt, n_vocab
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
     def propose(self, tokens: list[int], k: int, rng: np.random.Generator, keep=None) -> Draft:
@@ -328,6 +343,28 @@ def test_sampling_seeded_runs_are_reproducible(target_model: Path, draft_model: 
         c = generate(engine, 40, seed=12)[0]
     assert a == b
     assert a != c
+
+
+@pytest.mark.parametrize(("sampling", "timed"), [(SAMPLING, False), (GREEDY, True)])
+def test_only_greedy_rounds_are_timed_for_auto(
+    target_model: Path, draft_model: Path, sampling: SamplingParams, timed: bool
+) -> None:
+    """-k auto must not follow the clock when sampling (k decides which random numbers
+    each token uses: a seed would no longer reproduce the text); greedy text is the
+    same whatever k, so there it may."""
+    with open_engine(target_model, draft_model, "auto", sampling) as engine:
+        decoder = engine.make_decoder("model", "auto")
+        seen: list[tuple[float | None, float | None]] = []
+        observe = decoder.length.observe
+
+        def record(draft: Draft, accepted: int, *seconds: float | None) -> None:
+            seen.append(seconds)
+            observe(draft, accepted, *seconds)
+
+        decoder.length.observe = record  # type: ignore[method-assign]
+        generate(engine, 24, decoder=decoder)
+    assert seen
+    assert all((None not in seconds) == timed for seconds in seen)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ class StandInModel:
     def __init__(self, guess) -> None:
         self.guess = guess
 
-    def begin(self, prompt: list[int]) -> None:
+    def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
     def propose(self, tokens, k, rng, keep_drafting=None) -> Draft:

@@ -157,27 +157,29 @@ def test_auto_steps_over_lengths_that_are_never_best() -> None:
     assert set(chosen[-20:]) >= {3} and 2 not in chosen
 
 
-def clocked_rounds(policy: AutoLength, slowdown: float, rounds: int = 80) -> list[int]:
+def clocked_rounds(policy: AutoLength, slowdown: float | None, rounds: int = 80) -> list[int]:
     """Rounds with a fixed acceptance pattern, timed as on a machine `slowdown` times
-    slower at drafting than the measured costs say."""
+    slower at drafting than the measured costs say (None: untimed, as when sampling)."""
     chosen = []
     t = CHEAP.target_seconds
     for r in range(rounds):
         k = policy.choose(100)
         chosen.append(k)
         accepted = min(k, r % 5)
-        draft_seconds = slowdown * k * CHEAP.draft_over_target * t
-        policy.observe(draft_of(k), accepted, draft_seconds, CHEAP.verify[k + 1] * t)
+        if slowdown is None:
+            policy.observe(draft_of(k), accepted, None, None)
+        else:
+            draft_seconds = slowdown * k * CHEAP.draft_over_target * t
+            policy.observe(draft_of(k), accepted, draft_seconds, CHEAP.verify[k + 1] * t)
     return chosen
 
 
-def test_sampled_runs_choose_k_from_acceptance_alone() -> None:
-    """With sampling, k decides which random numbers each token uses: a seed must give
-    the same draft lengths (and so the same text) however fast the machine runs."""
+def test_untimed_rounds_are_judged_by_the_measured_costs() -> None:
+    """Sampled rounds come untimed (their k must not follow the clock): the policy then
+    charges them the measured costs, as a machine running exactly at those would."""
 
-    def run(slowdown: float, follows_clock: bool) -> list[int]:
-        policy = AutoLength(CHEAP, 0, 16, uses_confidence=False, follows_clock=follows_clock)
-        return clocked_rounds(policy, slowdown)
+    def run(slowdown: float | None) -> list[int]:
+        return clocked_rounds(AutoLength(CHEAP, 0, 16, uses_confidence=False), slowdown)
 
-    assert run(1.0, follows_clock=False) == run(40.0, follows_clock=False)
-    assert run(1.0, follows_clock=True) != run(40.0, follows_clock=True)  # greedy follows it
+    assert run(None) == run(1.0)
+    assert run(1.0) != run(40.0)  # timed rounds do follow the clock

@@ -217,14 +217,14 @@ def test_ctrl_c_while_generating_prints_the_stats(target_model: Path, tmp_path: 
     stand_in = """
 import time
 from specdec_cli.engine import Engine
-generate_pieces = Engine.generate_pieces
+real_pieces = Engine.pieces
 def slow_after_five(self, *args, **kwargs):
-    for i, piece in enumerate(generate_pieces(self, *args, **kwargs)):
+    for i, piece in enumerate(real_pieces(self, *args, **kwargs)):
         yield piece
         if i == 4:
             mark()
             time.sleep(300)
-Engine.generate_pieces = slow_after_five
+Engine.pieces = slow_after_five
 """
     args = ["run", "-m", str(target_model), "-p", "Once", "-n", "50", *GREEDY]
     code, screen = interrupt_when_stalled(stand_in, args, tmp_path)

@@ -1,0 +1,299 @@
+"""`specdec serve`'s options, and OpenAI request bodies checked: what a client may send.
+
+No web framework here: the command line reads ServeOptions' defaults without the
+server extra installed.
+
+Everything here is pure: a parsed JSON body in, a GenerationRequest or an ApiError out.
+Nothing a client sends may raise anything else (wrong types, huge numbers, lone UTF-16
+surrogates that cannot be encoded): the server answers 400 and goes on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field, replace
+
+from specdec_cli.chat import Message, messages_from
+from specdec_cli.errors import UserError
+from specdec_cli.sampling import SamplingParams
+
+MAX_STOPS = 16
+MAX_K = 256  # a draft length beyond this is never useful, and is refused
+SEED_MODULUS = 2**64  # numpy takes seeds >= 0; OpenAI's may be negative
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Where and how `specdec serve` listens; names and defaults as llama-server's."""
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    api_key: str | None = None
+    alias: str | None = None  # the model's name in the API; None: the target's file name
+    cors: str | None = None  # an origin allowed to call the API from a browser; None: none
+    queue: int = 16  # requests that may wait behind the one being generated
+    chat_template: str | None = None  # as --chat-template; None: the model's own
+
+
+class ApiError(Exception):
+    """An answer other than 200, with OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int = 400,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.param, self.code, self.kind = status, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, object]:
+        return {
+            "error": {
+                "message": str(self),
+                "type": self.kind,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """The extension field "speculative": off, the server's own drafting, or a draft length."""
+
+    enabled: bool = True
+    k: str | None = None  # a number of tokens or "auto"; None: as the server was started
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One request, checked. Exactly one of `text`, `tokens` and `messages` is set."""
+
+    chat: bool
+    text: str | None = None
+    tokens: tuple[int, ...] | None = None
+    messages: tuple[Message, ...] | None = None
+    max_tokens: int = -1  # -1: until the model stops or the context is full
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None  # None: a fresh random seed
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    speculation: Speculation = field(default_factory=Speculation)
+
+
+def parse_body(data: bytes) -> dict[str, object]:
+    """A request body as a JSON object."""
+    try:
+        body = json.loads(data)
+    except UnicodeDecodeError:
+        raise ApiError("the request body is not UTF-8 text; send JSON in UTF-8") from None
+    except ValueError as err:  # json.JSONDecodeError, and numbers too long to convert
+        raise ApiError(f"the request body is not valid JSON: {err}") from None
+    except RecursionError:
+        raise ApiError("the request body nests too deeply") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body is a JSON {_kind(body)}; send a JSON object")
+    return body
+
+
+def parse_request(
+    body: dict[str, object], chat: bool, defaults: SamplingParams
+) -> GenerationRequest:
+    """A /v1/chat/completions (`chat`) or /v1/completions body, checked field by field.
+    `defaults`: the server's sampling settings, for the fields the request leaves out."""
+    refuse_unsupported(body, chat)
+    stream = _optional(body, "stream", bool) or False
+    options = _optional(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
+    include_usage = bool(options and _optional(options, "include_usage", bool, "stream_options."))
+    request = GenerationRequest(
+        chat=chat,
+        max_tokens=_max_tokens(body, chat),
+        sampling=_sampling(body, defaults),
+        seed=_seed(body),
+        stop=_stop(body),
+        stream=stream,
+        include_usage=include_usage,
+        speculation=_speculation(body),
+    )
+    if chat:
+        return replace(request, messages=_messages(body))
+    text, tokens = _prompt(body)
+    return replace(request, text=text, tokens=tokens)
+
+
+def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
+    """Features specdec does not implement: a 400 naming them, never a silent ignore."""
+    n = _optional(body, "n", int)
+    if n is not None and n != 1:
+        raise ApiError("n > 1 is not supported: one choice per request", param="n")
+    best_of = _optional(body, "best_of", int)
+    if best_of is not None and best_of != 1:
+        raise ApiError("best_of > 1 is not supported", param="best_of")
+    for name in ("tools", "functions", "logit_bias"):
+        if body.get(name):
+            raise ApiError(f"{name} is not supported by specdec serve", param=name)
+    if body.get("logprobs") or body.get("top_logprobs"):
+        raise ApiError("logprobs are not supported by specdec serve", param="logprobs")
+    if body.get("echo"):
+        raise ApiError("echo is not supported by specdec serve", param="echo")
+    if not chat and body.get("suffix"):
+        raise ApiError("suffix (insertion) is not supported by specdec serve", param="suffix")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _optional(body, name, float):
+            raise ApiError(f"{name} is not supported by specdec serve (leave it 0)", param=name)
+    response_format = _optional(body, "response_format", dict)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise ApiError(
+            "response_format other than text (JSON mode, schemas) is not supported",
+            param="response_format",
+        )
+
+
+def _max_tokens(body: dict[str, object], chat: bool) -> int:
+    names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
+    for name in names:
+        value = _optional(body, name, int)
+        if value is not None:
+            if value < 1:
+                raise ApiError(f"{name} must be at least 1 (got {value})", param=name)
+            return value
+    return -1
+
+
+def _sampling(body: dict[str, object], defaults: SamplingParams) -> SamplingParams:
+    temp = _optional(body, "temperature", float)
+    top_p = _optional(body, "top_p", float)
+    min_p = _optional(body, "min_p", float)
+    top_k = _optional(body, "top_k", int)
+    if temp is not None and temp < 0:
+        raise ApiError(f"temperature must be 0 or more (got {temp})", param="temperature")
+    for name, value in (("top_p", top_p), ("min_p", min_p)):
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ApiError(f"{name} must be between 0 and 1 (got {value})", param=name)
+    if top_k is not None and top_k < 0:
+        raise ApiError(f"top_k must be 0 (off) or more (got {top_k})", param="top_k")
+    given = {"temp": temp, "top_p": top_p, "min_p": min_p, "top_k": top_k}
+    return replace(defaults, **{k: v for k, v in given.items() if v is not None})
+
+
+def _seed(body: dict[str, object]) -> int | None:
+    seed = _optional(body, "seed", int)
+    return None if seed is None else seed % SEED_MODULUS
+
+
+def _stop(body: dict[str, object]) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+        raise ApiError("stop must be a string or a list of strings", param="stop")
+    if len(stop) > MAX_STOPS:
+        raise ApiError(f"stop takes at most {MAX_STOPS} strings", param="stop")
+    return tuple(_encodable(s, "stop") for s in stop if s)
+
+
+def _speculation(body: dict[str, object]) -> Speculation:
+    value = body.get("speculative")
+    if value is None or value is True:
+        return Speculation()
+    if value is False:
+        return Speculation(enabled=False)
+    if not isinstance(value, dict) or set(value) - {"k"}:
+        raise ApiError(
+            'speculative must be false, true or {"k": N} (N a number of tokens or "auto")',
+            param="speculative",
+        )
+    k = value.get("k")
+    if k is None:
+        return Speculation()
+    if k == "auto":
+        return Speculation(k="auto")
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
+        raise ApiError(
+            f'speculative.k must be a whole number from 1 to {MAX_K}, or "auto" (got {k!r})',
+            param="speculative",
+        )
+    return Speculation(k=str(k))
+
+
+def _messages(body: dict[str, object]) -> tuple[Message, ...]:
+    items = body.get("messages")
+    if not isinstance(items, list) or not items:
+        raise ApiError(
+            'messages must be a non-empty list of {"role", "content"} objects', param="messages"
+        )
+    try:
+        messages = messages_from(items, "request")
+    except UserError as err:
+        raise ApiError(str(err), param="messages") from None
+    for message in messages:
+        _encodable(message.content, "messages")
+    return messages
+
+
+def _prompt(body: dict[str, object]) -> tuple[str | None, tuple[int, ...] | None]:
+    """A prompt as OpenAI takes it: text, or token ids; a list of one of either."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return _encodable(prompt, "prompt"), None
+    if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(
+            "one prompt per request (a list of several is not supported)", param="prompt"
+        )
+    raise ApiError("prompt must be a string or a list of token ids", param="prompt")
+
+
+def _encodable(text: str, param: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(f"{param} holds an unpaired UTF-16 surrogate", param=param) from None
+    return text
+
+
+def _optional(body: dict[str, object], name: str, kind: type, prefix: str = "") -> object:
+    """body[name] if it is of `kind` (a float also takes a whole number), None if it is
+    absent or null; anything else is the client's mistake."""
+    value = body.get(name)
+    if value is None:
+        return None
+    if kind is int and _is_int(value):
+        return value
+    if kind is float and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            raise ApiError(f"{prefix}{name} must be a finite number", param=prefix + name)
+        return float(value)
+    if kind not in (int, float) and isinstance(value, kind):
+        return value
+    names = {int: "a whole number", float: "a number", bool: "true or false", dict: "an object"}
+    raise ApiError(
+        f"{prefix}{name} must be {names[kind]} (got a {_kind(value)})", param=prefix + name
+    )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
+    return names.get(type(value), "object")

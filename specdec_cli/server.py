@@ -1,0 +1,714 @@
+"""`specdec serve`: an OpenAI-compatible HTTP server over the engine.
+
+One generation at a time, decoded in one worker thread (every llama.cpp call happens
+there, loading included), with a bounded number of requests waiting behind it. The
+event loop only parses, tokenizes (in a helper thread), queues and streams, so a
+long generation never holds up /health or another client's 429. Prefix reuse comes
+from the engine: each generation keeps the longest start of its prompt that the
+target's and the draft's memory already hold, checked token by token (Context.prefill).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import signal
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, closing, contextmanager
+from dataclasses import dataclass, field, replace
+from html import escape
+from importlib import resources
+from typing import Any
+
+import numpy as np
+import uvicorn
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import Request
+from starlette.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from specdec_cli import interrupt
+from specdec_cli.api import (
+    ApiError,
+    GenerationRequest,
+    ServeOptions,
+    Speculation,
+    parse_body,
+    parse_request,
+)
+from specdec_cli.chat import chat_tokens, render
+from specdec_cli.decode import Decoder
+from specdec_cli.display import note, warn
+from specdec_cli.engine import Engine, EngineOptions, Piece
+from specdec_cli.errors import UserError
+from specdec_cli.stats import Stats
+
+MAX_BODY_BYTES = 8 * 2**20
+RETRY_AFTER_SECONDS = 1
+GRACEFUL_SHUTDOWN_SECONDS = 10  # in-flight streams stop within a round; this is a backstop
+PUBLIC_PATHS = ("/health", "/")  # no API key: the page holds no data, it asks for the key
+
+
+# --- generations: one at a time, in the worker thread --------------------------------
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Text for the client, with the generation's running figures."""
+
+    piece: Piece
+    drafted: int
+    accepted: int
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: Exception
+    stats: Stats
+
+
+Event = Chunk | Finished | Failed
+
+
+@dataclass
+class Job:
+    """A queued generation, and the channel its events come back on."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    seed: int
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def emit(self, event: Event) -> None:
+        """From the worker thread: hand an event to the event loop."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            self.cancelled.set()
+
+
+class Service:
+    """The engine behind the API: loaded once, then one generation at a time."""
+
+    def __init__(self, engine_options: EngineOptions, options: ServeOptions) -> None:
+        self.engine_options = engine_options
+        self.options = options
+        self.engine: Engine | None = None
+        self.model_name = options.alias or engine_options.target.name
+        self.created = int(time.time())
+        self.worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-decode")
+        self.admitted = 0  # generations queued or running
+        self.stopping = threading.Event()  # shutting down: generations end now
+        self.metrics = Metrics()
+        self._decoders: dict[Speculation, Decoder] = {}
+
+    # In the worker thread.
+
+    def load(self) -> Engine:
+        """Load the models, and measure their costs now if -k auto could need them, so that
+        no request ever waits for a measurement."""
+        engine = Engine(self.engine_options, notify=note)
+        for message in engine.warnings:
+            warn(message)
+        if engine.decoder.drafter is not None:
+            engine.costs()
+        return engine
+
+    def run(self, job: Job) -> Stats:
+        stats = Stats()
+        try:
+            if self._should_stop(job):  # its client left, or the server stops, while it waited
+                stats.stop_reason = "cancelled"
+            else:
+                self._generate(job, stats)
+            job.emit(Finished(stats))
+        except Exception as err:  # one failed generation must not end the server
+            job.emit(Failed(err, stats))
+        return stats
+
+    def _generate(self, job: Job, stats: Stats) -> None:
+        assert self.engine is not None
+        request = job.request
+        rng = np.random.default_rng(job.seed)
+        pieces = self.engine.pieces(
+            job.prompt,
+            request.max_tokens,
+            rng,
+            stats,
+            request.stop,
+            self._decoder(request.speculation),
+            request.sampling,
+        )
+        with closing(pieces):
+            for piece in pieces:
+                if piece.text:
+                    job.emit(Chunk(piece, stats.drafted, stats.accepted, stats.tokens))
+                if self._should_stop(job):
+                    stats.stop_reason = stats.stop_reason or "cancelled"
+                    return
+
+    def _should_stop(self, job: Job) -> bool:
+        return job.cancelled.is_set() or self.stopping.is_set()
+
+    def _decoder(self, speculation: Speculation) -> Decoder:
+        """The decoder a request asks for, made once and kept (with its draft-length
+        state, which learns from every generation)."""
+        assert self.engine is not None
+        default = self.engine.decoder
+        if speculation == Speculation():
+            return default
+        if speculation not in self._decoders:
+            kind = default.drafter.name if speculation.enabled and default.drafter else None
+            self._decoders[speculation] = self.engine.make_decoder(kind, speculation.k or "1")
+        return self._decoders[speculation]
+
+    def check_speculation(self, speculation: Speculation) -> None:
+        """A draft length needs a drafter: refuse it before the request is queued."""
+        assert self.engine is not None
+        if speculation.k is not None and self.engine.decoder.drafter is None:
+            raise ApiError(
+                "this server has no drafter (start it with -d DRAFT or -d ngram); "
+                'send "speculative": false, or leave it out',
+                param="speculative",
+            )
+
+    # In the event loop.
+
+    def admit(self, request: GenerationRequest, prompt: list[int]) -> Job:
+        """Queue a generation, or refuse it (503, Retry-After) when the queue is full."""
+        if self.admitted > self.options.queue:
+            self.metrics.rejected += 1
+            raise ApiError(
+                f"the server is busy ({self.admitted} requests in progress or waiting); retry",
+                status=503,
+                kind="server_busy",
+                code="server_busy",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        seed = request.seed if request.seed is not None else int(np.random.SeedSequence().entropy)
+        job = Job(request, prompt, seed % 2**64, asyncio.get_running_loop())
+        self.admitted += 1
+        future = asyncio.get_running_loop().run_in_executor(self.worker, self.run, job)
+        future.add_done_callback(self._finished)
+        return job
+
+    def _finished(self, future: asyncio.Future[Stats]) -> None:
+        """Count a generation in, whether its client stayed to the end or not."""
+        self.admitted -= 1
+        self.metrics.record(future.result())
+
+    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
+        """The request's prompt as tokens, checked against the context (in a helper thread:
+        llama.cpp's tokenizer only reads the vocabulary)."""
+        assert self.engine is not None
+        model = self.engine.model
+        if request.messages is not None:
+            template = self.options.chat_template
+            tokens = chat_tokens(model, render(model, list(request.messages), template))
+        elif request.tokens is not None:
+            tokens = list(request.tokens)
+            if not all(0 <= t < model.n_vocab for t in tokens):
+                raise ApiError(
+                    f"prompt token ids must be from 0 to {model.n_vocab - 1}", param="prompt"
+                )
+        else:
+            tokens = model.tokenize(request.text or "")
+        n_ctx = self.engine.target.n_ctx
+        if not tokens:
+            raise ApiError("the prompt is empty", param="prompt")
+        if len(tokens) >= n_ctx:
+            raise ApiError(
+                f"the prompt is {len(tokens)} tokens but the context holds {n_ctx}; "
+                "shorten it (or restart the server with a larger -c)",
+                param="messages" if request.chat else "prompt",
+                code="context_length_exceeded",
+            )
+        return tokens
+
+
+# --- metrics -----------------------------------------------------------------------
+
+
+@dataclass
+class Metrics:
+    """Counters since start-up, in Prometheus text (names as vLLM's where they exist)."""
+
+    requests: int = 0
+    rejected: int = 0
+    cancelled: int = 0  # stopped early: the client went away, or the server is stopping
+    totals: Stats = field(default_factory=Stats)
+    drafts: int = 0  # rounds with a draft
+
+    def record(self, stats: Stats) -> None:
+        self.requests += 1
+        self.cancelled += stats.stop_reason == "cancelled"
+        self.totals.add(stats)
+        self.drafts += sum(n for k, n in stats.draft_lengths.items() if k)
+
+    def text(self, processing: int) -> str:
+        t = self.totals
+        rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
+            ("requests_total", "counter", "Generations finished", [("", self.requests)]),
+            ("requests_rejected_total", "counter", "Requests refused, queue full",
+             [("", self.rejected)]),
+            ("requests_cancelled_total", "counter",
+             "Generations stopped early (client gone, or server stopping)",
+             [("", self.cancelled)]),
+            ("requests_processing", "gauge", "Generations running or waiting",
+             [("", processing)]),
+            ("prompt_tokens_total", "counter", "Prompt tokens", [("", t.prompt_tokens)]),
+            ("prompt_tokens_cached_total", "counter",
+             "Prompt tokens reused from the previous generation's cache",
+             [("", t.prompt_reused)]),
+            ("generation_tokens_total", "counter", "Generated tokens", [("", t.tokens)]),
+            ("time_per_output_token_seconds", "summary", "Generation time per output token",
+             [("_sum", t.seconds), ("_count", t.tokens)]),
+            ("spec_decode_num_drafts_total", "counter", "Rounds that verified a draft",
+             [("", self.drafts)]),
+            ("spec_decode_num_draft_tokens_total", "counter", "Draft tokens proposed",
+             [("", t.drafted)]),
+            ("spec_decode_num_accepted_tokens_total", "counter", "Draft tokens accepted",
+             [("", t.accepted)]),
+            ("spec_decode_num_accepted_tokens_per_pos_total", "counter",
+             "Draft tokens accepted, by place in their draft (0: first)",
+             [(f'{{position="{i}"}}', n) for i, n in sorted(t.accepted_at.items())]),
+        ]  # fmt: skip
+        lines = []
+        for name, kind, help_text, samples in rows:
+            lines += [f"# HELP specdec:{name} {help_text}.", f"# TYPE specdec:{name} {kind}"]
+            lines += [f"specdec:{name}{suffix} {value}" for suffix, value in samples]
+        return "\n".join(lines) + "\n"
+
+
+# --- response bodies ---------------------------------------------------------------
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "cancelled": "stop"}  # else: "length"
+
+
+def finish_reason(stats: Stats) -> str:
+    return FINISH_REASONS.get(stats.stop_reason, "length")
+
+
+def usage(stats: Stats) -> dict[str, object]:
+    return {
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.tokens,
+        "total_tokens": stats.prompt_tokens + stats.tokens,
+        "prompt_tokens_details": {"cached_tokens": stats.prompt_reused},
+    }
+
+
+def timings(stats: Stats) -> dict[str, object]:
+    """llama-server's `timings`, speculative figures included; cache_n: prompt tokens
+    reused from the previous generation (its prefix cache)."""
+    prompt_n = stats.prompt_tokens - stats.prompt_reused
+    return {
+        "cache_n": stats.prompt_reused,
+        "prompt_n": prompt_n,
+        "prompt_ms": stats.prompt_seconds * 1e3,
+        "prompt_per_second": prompt_n / stats.prompt_seconds if stats.prompt_seconds else 0.0,
+        "predicted_n": stats.tokens,
+        "predicted_ms": stats.seconds * 1e3,
+        "predicted_per_token_ms": stats.seconds * 1e3 / stats.tokens if stats.tokens else 0.0,
+        "predicted_per_second": stats.tokens_per_second,
+        "draft_n": stats.drafted,
+        "draft_n_accepted": stats.accepted,
+        "target_passes": stats.target_passes,
+        "tokens_per_pass": stats.tokens_per_pass,
+        "k": stats.k,
+    }
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How one endpoint writes its bodies: /v1/completions or /v1/chat/completions."""
+
+    chat: bool
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def new_id(self) -> str:
+        return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+
+    def choice(self, text: str, finish: str) -> dict[str, object]:
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, text: str | None, finish: str | None = None) -> dict[str, object]:
+        """A streamed choice; for chat, `text` None opens the assistant's message."""
+        if not self.chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        if text is None and finish is None:
+            delta: dict[str, str] = {"role": "assistant", "content": ""}
+        else:
+            delta = {"content": text} if text else {}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+
+
+# --- the HTTP application ----------------------------------------------------------
+
+
+class ApiKeyMiddleware:
+    """--api-key: `Authorization: Bearer KEY` on every path but the public ones."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, given = header.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.key):
+                error = ApiError(
+                    "invalid or missing API key: send Authorization: Bearer KEY",
+                    status=401,
+                    kind="authentication_error",
+                    code="invalid_api_key",
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def sse(data: dict[str, object] | str) -> bytes:
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
+    return f"data: {text}\n\n".encode()
+
+
+class Api:
+    """The routes, over a Service."""
+
+    def __init__(self, service: Service) -> None:
+        self.service = service
+
+    def app(self, on_loaded: Callable[[BaseException | None], None]) -> Starlette:
+        options = self.service.options
+        middleware = []
+        if options.cors:
+            middleware.append(
+                Middleware(
+                    CORSMiddleware,
+                    allow_origins=[options.cors],
+                    allow_methods=["GET", "POST"],
+                    allow_headers=["Authorization", "Content-Type"],
+                )
+            )
+        if options.api_key:
+            middleware.append(Middleware(ApiKeyMiddleware, key=options.api_key))
+        routes = [
+            Route("/", self.page),
+            Route("/health", self.health),
+            Route("/v1/models", self.models),
+            Route("/metrics", self.metrics),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+        ]
+
+        @asynccontextmanager
+        async def lifespan(app: Starlette) -> AsyncIterator[None]:
+            loading = asyncio.get_running_loop().run_in_executor(
+                self.service.worker, self.service.load
+            )
+            loading.add_done_callback(lambda f: self._loaded(f, on_loaded))
+            yield
+
+        return Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
+
+    def _loaded(self, future: asyncio.Future[Engine], on_loaded: Callable) -> None:
+        error = future.exception()
+        if error is None:
+            self.service.engine = future.result()
+        on_loaded(error)
+
+    async def health(self, request: Request) -> Response:
+        if self.service.engine is None:
+            return JSONResponse({"status": "loading model"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def page(self, request: Request) -> Response:
+        html = resources.files("specdec_cli").joinpath("webui.html").read_text(encoding="utf-8")
+        return HTMLResponse(html.replace("{{MODEL}}", escape(self.service.model_name)))
+
+    async def models(self, request: Request) -> Response:
+        s = self.service
+        model = {"id": s.model_name, "object": "model", "created": s.created, "owned_by": "specdec"}
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def metrics(self, request: Request) -> Response:
+        text = self.service.metrics.text(self.service.admitted)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint(chat=False))
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, Endpoint(chat=True))
+
+    async def _generate(self, request: Request, endpoint: Endpoint) -> Response:
+        try:
+            job = await self._admit(request, endpoint)
+        except ApiError as error:
+            return error_response(error)
+        watcher = asyncio.create_task(self._watch_disconnect(request, job))
+        if job.request.stream:
+            return StreamingResponse(
+                self._stream(job, endpoint, watcher),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        try:
+            return await self._complete(job, endpoint)
+        finally:
+            watcher.cancel()
+
+    async def _admit(self, request: Request, endpoint: Endpoint) -> Job:
+        service = self.service
+        if service.engine is None:
+            raise ApiError(
+                "the model is loading; retry",
+                status=503,
+                kind="server_busy",
+                code="loading",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        body = await read_body(request)
+        parsed = parse_request(parse_body(body), endpoint.chat, service.engine_options.sampling)
+        service.check_speculation(parsed.speculation)
+        try:
+            prompt = await asyncio.to_thread(service.prompt_tokens, parsed)
+        except UserError as err:  # a chat template llama.cpp does not know, say
+            raise ApiError(str(err)) from None
+        return service.admit(parsed, prompt)
+
+    async def _watch_disconnect(self, request: Request, job: Job) -> None:
+        """Stop the generation when its client goes away (the body is read already, so
+        the next message can only be the disconnect)."""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        job.cancelled.set()
+
+    async def _events(self, job: Job) -> AsyncIterator[list[Event]]:
+        """The job's events as they come, several at a time when the client lags."""
+        while True:
+            batch = [await job.events.get()]
+            while not job.events.empty():
+                batch.append(job.events.get_nowait())
+            yield batch
+            if isinstance(batch[-1], Finished | Failed):
+                return
+
+    async def _complete(self, job: Job, endpoint: Endpoint) -> Response:
+        parts: list[str] = []
+        async for batch in self._events(job):
+            parts += [e.piece.text for e in batch if isinstance(e, Chunk)]
+        end = batch[-1]
+        if isinstance(end, Failed):
+            return error_response(_as_api_error(end.error))
+        return JSONResponse(
+            {
+                "id": endpoint.new_id(),
+                "object": endpoint.object,
+                "created": int(time.time()),
+                "model": self.service.model_name,
+                "choices": [endpoint.choice("".join(parts), finish_reason(end.stats))],
+                "usage": usage(end.stats),
+                "timings": timings(end.stats),
+            }
+        )
+
+    async def _stream(
+        self, job: Job, endpoint: Endpoint, watcher: asyncio.Task[None]
+    ) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per run of text from one source (accepted draft
+        tokens, or the target's own), with the figures so far in the "specdec" field."""
+        head = {
+            "id": endpoint.new_id(),
+            "object": endpoint.chunk_object,
+            "created": int(time.time()),
+            "model": self.service.model_name,
+        }
+        try:
+            if endpoint.chat:
+                yield sse({**head, "choices": [endpoint.delta(None)]})
+            async for batch in self._events(job):
+                for chunk in merge_runs(batch):
+                    figures = {
+                        "source": "draft" if chunk.piece.drafted else "target",
+                        "draft_n": chunk.drafted,
+                        "draft_n_accepted": chunk.accepted,
+                        "predicted_n": chunk.tokens,
+                    }
+                    choice = endpoint.delta(chunk.piece.text)
+                    yield sse({**head, "choices": [choice], "specdec": figures})
+            end = batch[-1]
+            if isinstance(end, Failed):
+                yield sse(_as_api_error(end.error).body())
+            else:
+                last = endpoint.delta("", finish_reason(end.stats))
+                yield sse({**head, "choices": [last], "timings": timings(end.stats)})
+                if job.request.include_usage:
+                    yield sse({**head, "choices": [], "usage": usage(end.stats)})
+            yield sse("[DONE]")
+        finally:
+            job.cancelled.set()  # the client went away mid-stream, or all is sent
+            watcher.cancel()
+
+
+def merge_runs(batch: list[Event]) -> Iterator[Chunk]:
+    """Consecutive chunks from the same source as one (text joined, latest figures)."""
+    run: Chunk | None = None
+    for event in batch:
+        if not isinstance(event, Chunk):
+            continue
+        if run is not None and run.piece.drafted == event.piece.drafted:
+            text = run.piece.text + event.piece.text
+            run = Chunk(
+                replace(event.piece, text=text), event.drafted, event.accepted, event.tokens
+            )
+            continue
+        if run is not None:
+            yield run
+        run = event
+    if run is not None:
+        yield run
+
+
+def _as_api_error(error: Exception) -> ApiError:
+    if isinstance(error, ApiError):
+        return error
+    if isinstance(error, UserError):
+        return ApiError(str(error))
+    return ApiError(f"generation failed: {error}", status=500, kind="server_error")
+
+
+async def read_body(request: Request) -> bytes:
+    """The body, up to MAX_BODY_BYTES (413 past that)."""
+    size = request.headers.get("content-length")
+    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
+        raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+    chunks, total = [], 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > MAX_BODY_BYTES:
+            raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+# --- the process -------------------------------------------------------------------
+
+
+class _Server(uvicorn.Server):
+    """uvicorn, with specdec's signal handling: SIGINT/SIGTERM end every generation with
+    its last chunk and the process with code 0 (uvicorn would raise the signal again once
+    done, which kills the process with SIGTERM's default action); while the models load,
+    Ctrl-C ends the process at once, as `specdec run` does."""
+
+    def __init__(self, config: uvicorn.Config, service: Service) -> None:
+        super().__init__(config)
+        self.service = service
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        signals = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in signals}
+        try:
+            with interrupt.handled_by_server():
+                yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.service.engine is None and not self.should_exit:
+            interrupt.exit_now()
+        self.service.stopping.set()
+        super().handle_exit(sig, frame)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before any model loads: a taken port is said at once."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as err:
+        raise UserError(
+            f"cannot listen on {host}:{port}: {err.strerror or err}; choose another --port "
+            "or --host"
+        ) from None
+    return sock
+
+
+def serve(engine_options: EngineOptions, options: ServeOptions) -> None:
+    """Serve until SIGINT or SIGTERM."""
+    sock = listen(options.host, options.port)
+    host, port = sock.getsockname()[:2]
+    url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+    service = Service(engine_options, options)
+    failure: list[BaseException] = []
+
+    def on_loaded(error: BaseException | None) -> None:
+        if error is not None:
+            failure.append(error)
+            server.should_exit = True
+        else:
+            note(f"ready: {url} (model {service.model_name}); Ctrl-C stops")
+
+    config = uvicorn.Config(
+        Api(service).app(on_loaded),
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_SECONDS,
+    )
+    server = _Server(config, service)
+    note(f"loading the models; {url}/health answers 503 until they are ready")
+    try:
+        server.run(sockets=[sock])
+    finally:
+        service.stopping.set()
+        service.worker.shutdown(wait=True)
+        if service.engine is not None:
+            service.engine.close()
+        sock.close()
+    if failure:
+        raise failure[0]
