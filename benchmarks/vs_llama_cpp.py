@@ -31,7 +31,7 @@ def specdec_speed(args: argparse.Namespace) -> float:
     command = [
         sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft,
         "-p", args.prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
-        "--json", *args.specdec_flags,
+        "-c", str(args.ctx), "--json", *args.specdec_flags,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(json.loads(result.stdout)["tokens_per_second"])
@@ -41,7 +41,8 @@ def llama_speed(args: argparse.Namespace, k: int, fa: str) -> float:
     command = [
         args.llama, "-m", args.model, "-md", args.draft, "-p", args.prompt,
         "-n", str(args.n), "--temp", "0", "-t", str(args.threads), "-td", str(args.threads),
-        "-fa", fa, "--spec-draft-n-max", str(k), "-c", "4096", *args.llama_flags,
+        "-fa", fa, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+        "-c", str(args.ctx), *args.llama_flags,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     match = LLAMA_SPEED.search(result.stderr + result.stdout)
@@ -58,6 +59,7 @@ def main() -> None:
     parser.add_argument("-p", "--prompt", default=PROMPT)
     parser.add_argument("-n", type=int, default=128, help="tokens to generate (128)")
     parser.add_argument("-t", "--threads", type=int, default=2)
+    parser.add_argument("-c", "--ctx", type=int, default=2048, help="context, both sides (2048)")
     parser.add_argument("--k", default="2,3,4,5", help="llama.cpp draft lengths to try")
     parser.add_argument("--fa", default="on,off", help="llama.cpp -fa settings to try")
     parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")

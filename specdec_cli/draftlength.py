@@ -128,6 +128,11 @@ class AutoLength:
     # The prior weighs as much as this many rounds while evidence builds up: less, and
     # a few early misses send a fresh run to k=1 for a while.
     PRIOR_ROUNDS = 3
+    # Not drafting, a probe every PROBE_GAP rounds; each probe that gets nothing
+    # accepted doubles the gap, up to MAX_PROBE_GAP: a draft that never agrees then
+    # costs a few percent at most. One that does probes again at once.
+    PROBE_GAP = 8
+    MAX_PROBE_GAP = 64
 
     def __init__(
         self,
@@ -158,13 +163,17 @@ class AutoLength:
         self.tested = [0] * self.k_max  # rounds that tested each position
         self.rate = 1.0 / t  # tokens per second; target-only to start
         self._last_k = -1  # the last draft's length, as drafted
-        self._idle = 0
+        self._idle = 0  # rounds without a draft since the last probe
+        self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
+        self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
         self._plan = 0
         self._estimates: list[float] = []
         self._survive = 1.0
         self.ladder = self._useful_lengths()
+        # Where drafting starts again after a stretch without: the shortest useful length.
+        self._first_rung = min([n for n in self.ladder if n > 0], default=1)
         # The steady choice; the first guess is the best k under the prior alone.
         self._k = self._best_at(prior)
 
@@ -211,9 +220,11 @@ class AutoLength:
             self._k = k
         if k == 0 and top > 0:
             # Estimates only move when something is drafted: probe now and then, for
-            # one round.
+            # one round, at the shortest useful length (1 may never be worth drafting).
             self._idle += 1
-            k = 1 if self._idle % 8 == 0 else 0
+            self._probing = self._idle >= self._probe_gap
+            if self._probing:
+                self._idle, k = 0, min(self._first_rung, top)
         self._plan, self._estimates, self._survive = k, estimates, 1.0
         return k
 
@@ -224,7 +235,8 @@ class AutoLength:
             return floor
         rungs = [n for n in self.ladder if floor <= n <= top]
         neighbours = [n for n in rungs if n < k][-1:] + [n for n in rungs if n > k][:1]
-        neighbours = [n for n in neighbours if n <= k + self.MAX_CLIMB]
+        # (Starting to draft again goes straight to the first rung, however long.)
+        neighbours = [n for n in neighbours if n <= max(k + self.MAX_CLIMB, self._first_rung)]
         if not neighbours:
             return k
         now = self.expected_rate(k, estimates)
@@ -277,6 +289,7 @@ class AutoLength:
             per_token = verify_seconds / self.verify[n + 1]
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_k = n
+        self._after_probe(n, accepted)
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)
         for i, confidence in enumerate(draft.confidences[:tested]):
@@ -290,5 +303,13 @@ class AutoLength:
                 step = max(learn, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
                 self.accept[i] += step * (hit - self.accept[i])
                 self.weight[i] += step * (1.0 - self.weight[i])
-            else:
+            elif n:  # a round without a draft tells nothing: the evidence keeps its age
                 self.weight[i] *= self.decay
+
+    def _after_probe(self, n: int, accepted: int) -> None:
+        if self._probing:
+            self._probing = False
+            failed = accepted == 0
+            self._probe_gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else 1
+        elif n:
+            self._probe_gap = self.PROBE_GAP
