@@ -172,8 +172,10 @@ class AutoLength:
         self._estimates: list[float] = []
         self._survive = 1.0
         self.ladder = self._useful_lengths()
-        # Where drafting starts again after a stretch without: the shortest useful length.
+        # Where drafting starts again after a stretch without: the shortest useful length
+        # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
         self._first_rung = min([n for n in self.ladder if n > 0], default=1)
+        self._probe_k = min(range(1, self._first_rung + 1), key=self.cost)
         # The steady choice; the first guess is the best k under the prior alone.
         self._k = self._best_at(prior)
 
@@ -220,11 +222,12 @@ class AutoLength:
             self._k = k
         if k == 0 and top > 0:
             # Estimates only move when something is drafted: probe now and then, for
-            # one round, at the shortest useful length (1 may never be worth drafting).
+            # one round, at the cheapest length (what matters is whether the first
+            # token is accepted).
             self._idle += 1
             self._probing = self._idle >= self._probe_gap
             if self._probing:
-                self._idle, k = 0, min(self._first_rung, top)
+                self._idle, k = 0, min(self._probe_k, top)
         self._plan, self._estimates, self._survive = k, estimates, 1.0
         return k
 

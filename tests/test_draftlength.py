@@ -193,7 +193,7 @@ def test_auto_drafts_again_where_the_shortest_useful_draft_is_long() -> None:
     """At a large vocabulary, verifying 2 or 3 tokens can cost far more than 4 (every
     row of logits is vocabulary-sized, and ggml's kernels change at 4): k=1 is then
     never worth drafting and the ladder goes 0, 3. After a stretch of useless drafts,
-    the probes and the climb back must use 3, or drafting never resumes."""
+    the climb back must go straight to 3, or drafting never resumes."""
     steep = {1: 1.0, 2: 1.6, 3: 2.5, 4: 2.1} | {n: 2.1 + 0.3 * (n - 4) for n in range(5, 18)}
     costs = Costs(0.01, 0.1, steep)
     policy = AutoLength(costs, 0, 8, uses_confidence=False)
@@ -210,5 +210,4 @@ def test_auto_drafts_again_where_the_shortest_useful_draft_is_long() -> None:
 
     assert rounds(40, accept=False)[-8:].count(0) >= 7  # useless: it stops drafting
     recovered = rounds(60, accept=True)
-    assert 1 not in recovered
     assert all(k >= 3 for k in recovered[-20:])  # the text turned easy: drafting again
