@@ -130,7 +130,9 @@ class AutoLength:
     PRIOR_ROUNDS = 3
     # Not drafting, a probe every PROBE_GAP rounds; each probe that gets nothing
     # accepted doubles the gap, up to MAX_PROBE_GAP: a draft that never agrees then
-    # costs a few percent at most. One that does probes again at once.
+    # costs a few percent at most. Success brings the gap back, but no more: whether
+    # drafting pays is for the estimates to say (a draft can agree and still cost more
+    # than it saves).
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
 
@@ -313,6 +315,6 @@ class AutoLength:
         if self._probing:
             self._probing = False
             failed = accepted == 0
-            self._probe_gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else 1
+            self._probe_gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else self.PROBE_GAP
         elif n:
             self._probe_gap = self.PROBE_GAP
