@@ -315,6 +315,7 @@ class AutoLength:
         if self._probing:
             self._probing = False
             failed = accepted == 0
-            self._probe_gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else self.PROBE_GAP
+            gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else self.PROBE_GAP
+            self._probe_gap = gap
         elif n:
             self._probe_gap = self.PROBE_GAP
