@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, closing, contextmanager
@@ -101,13 +102,28 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # Events from the worker not yet handed over. A round's tokens come microseconds
+    # apart: waking the event loop once for all of them, not once each, keeps its
+    # thread from taking the GIL from the decode loop over and over.
+    _pending: deque[Event] = field(default_factory=deque)
+    _wake_scheduled: bool = False
 
     def emit(self, event: Event) -> None:
         """From the worker thread: hand an event to the event loop."""
+        self._pending.append(event)
+        if self._wake_scheduled:
+            return
+        self._wake_scheduled = True
         try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._hand_over)
         except RuntimeError:  # the loop is closed: nobody is listening any more
             self.cancelled.set()
+
+    def _hand_over(self) -> None:
+        """On the event loop: move what the worker emitted into the queue."""
+        self._wake_scheduled = False
+        while self._pending:
+            self.events.put_nowait(self._pending.popleft())
 
 
 class Service:
