@@ -7,6 +7,7 @@ import base64
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -342,9 +343,40 @@ BAD_FIELDS: list[tuple[str, dict]] = [
 ]
 
 
+# Values of the wrong type or out of range for each field, for the seeded mix below.
+WRONG_VALUES: dict[str, list[object]] = {
+    "prompt": [5, {"a": 1}, [1.5], [[]]],
+    "max_tokens": ["10", [], {"a": 1}, 1.5],
+    "temperature": ["hot", [], {}, -1],
+    "top_p": ["x", [], {}],
+    "top_k": ["x", [], 1.5],
+    "min_p": ["x", [], {}],
+    "stop": [5, [1, 2], {"a": 1}],
+    "seed": ["x", 1.5, []],
+    "stream": ["yes", [], {}],
+    "speculative": ["x", [], {"k": -3}],
+}
+
+
+def mixed_bad_requests(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
+    """n requests, each a good completion body with one field made wrong, or bytes
+    that are no JSON at all: drawn from a seeded generator, so a failure reproduces."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        if rng.random() < 0.2:
+            out.append(("/v1/completions", bytes(rng.randrange(256) for _ in range(40))))
+            continue
+        field = rng.choice(sorted(WRONG_VALUES))
+        body = {"prompt": PROMPT, "max_tokens": 4, field: rng.choice(WRONG_VALUES[field])}
+        out.append(("/v1/completions", json.dumps(body).encode()))
+    return out
+
+
 def test_malformed_requests_get_4xx_and_the_server_goes_on(http: httpx.Client) -> None:
     requests = [(path, body) for path, body in BAD_BODIES]
     requests += [(path, json.dumps(fields).encode()) for path, fields in BAD_FIELDS]
+    requests += mixed_bad_requests(200 - len(requests))
     headers = {"Content-Type": "application/json"}
     for path, body in requests:
         response = http.post(path, content=body, headers=headers)
@@ -379,6 +411,7 @@ def test_api_key_on_every_endpoint_but_health(server: ServerProcess) -> None:
 
 def test_models_metrics_and_page(client: openai.OpenAI, http: httpx.Client) -> None:
     assert [m.id for m in client.models.list()] == ["tiny"]
+    client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0)
     metrics = http.get("/metrics").text
     for name in (
         "requests_total",
