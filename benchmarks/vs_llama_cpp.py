@@ -44,11 +44,12 @@ def llama_speed(args: argparse.Namespace, k: int, fa: str) -> float:
         "-fa", fa, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
         "-c", str(args.ctx), *args.llama_flags,
     ]  # fmt: skip
-    result = subprocess.run(command, capture_output=True, text=True, check=True)
-    match = LLAMA_SPEED.search(result.stderr + result.stdout)
-    if not match:
-        sys.exit(f"no speed line in llama.cpp's output:\n{result.stderr[-2000:]}")
-    return float(match.group(3))
+    for _ in range(3):  # llama.cpp's log thread now and then loses its last lines at exit
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        match = LLAMA_SPEED.search(result.stderr + result.stdout)
+        if match:
+            return float(match.group(3))
+    sys.exit(f"no speed line in llama.cpp's output:\n{result.stderr[-2000:]}")
 
 
 def main() -> None:
