@@ -29,6 +29,7 @@ def test_each_model_command_receives_the_engine_flags(
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path))
     # Refused by the config merge before any model is looked for: the values got through.
     args = [name, "-m", "no-such.gguf", "-d", "ngram", "--draft-min", "5", "--draft-max", "2"]
+    args += ["-p", "hi"] if name == "run" else []  # else run reads its prompt from stdin
     monkeypatch.setattr(sys, "argv", ["specdec", *args])
     with pytest.raises(SystemExit) as exited:
         main()
