@@ -253,6 +253,13 @@ def environment() -> dict[str, object]:
     }
 
 
+def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max: int) -> int:
+    """Just enough context for the benchmark: a larger KV cache slows every decode down."""
+    longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
+    longest_prompt = max(len(t.encode()) for t in texts.values()) + 2  # tokens <= bytes + BOS
+    return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
+
+
 def run_bench(
     engine: Engine,
     variant_list: list[Variant],

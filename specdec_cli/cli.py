@@ -6,48 +6,62 @@ import difflib
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, replace
-from enum import Enum
+from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
-import numpy as np
 import typer
 
 from specdec_cli import __version__, interrupt
 from specdec_cli.api import ServeOptions
-from specdec_cli.bench import BUILTIN_PROMPTS, BenchOptions, run_bench, variants
-from specdec_cli.chat import ChatOptions, chat_options, template_override
-from specdec_cli.config import ModelSpec, PairSpec, load_config, pair_lines
+from specdec_cli.bench import (
+    BUILTIN_PROMPTS,
+    BenchOptions,
+    BenchReport,
+    Variant,
+    fit_context,
+    run_bench,
+    variants,
+)
+from specdec_cli.chat import chat_options, template_override
+from specdec_cli.config import load_config, pair_lines
 from specdec_cli.display import (
     DRAFTED_COLOR,
     TARGET_COLOR,
     bench_progress,
     load_pyplot,
-    make_display,
-    note,
     print_bench,
     warn,
     write_plot,
 )
-from specdec_cli.engine import (
-    DEFAULT_MAX_CTX,
-    DraftOptions,
-    Engine,
-    EngineOptions,
-    GenerationOptions,
-    Piece,
-    parse_gpu_layers,
-    parse_k,
-)
+from specdec_cli.engine import DraftOptions, EngineOptions, GenerationOptions
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
-from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
+from specdec_cli.options import (
+    MODEL_HELP,
+    ConfigOpt,
+    DraftsOpt,
+    EngineFlags,
+    JsonOpt,
+    MinPOpt,
+    ModelOpt,
+    TopKOpt,
+    TopPOpt,
+    VerboseOpt,
+    described,
+    engine_options,
+    first_given,
+    generation_options,
+    ignored_options,
+    only_given,
+    shared_options,
+    split_drafts,
+    takes_engine_flags,
+    temp_option,
+)
 from specdec_cli.prompts import read_prompt, read_prompts
+from specdec_cli.runner import Output, generate, loaded_engine
 from specdec_cli.sampling import SamplingParams
-from specdec_cli.stats import Stats
 
 app = typer.Typer(
     add_completion=False,
@@ -102,414 +116,8 @@ def _main_options(
     """Lossless speculative decoding for llama.cpp GGUF models."""
 
 
-# Options shared by `run` and `bench`. Names follow llama.cpp's where they mean the same.
-# Defaults live in the dataclasses (EngineOptions, DraftOptions, SamplingParams, ...): an
-# option defaults to None, so that a config file can fill in what the command line left
-# out, and its help says the dataclass's value (see `described`).
-
-
-def described(text: str, default: object) -> str:
-    """An option's help, ending with its default, said once."""
-    return f"{text}  [default: {default}]"
-
-
-MODEL_HELP = (
-    "Target model: a .gguf file, a name from the config (a [models] or [pairs] entry), "
-    "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M)."
-)
-ModelOpt = Annotated[
-    str,
-    typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
-]
-DRAFT_HELP = (
-    "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
-    "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
-    "first, the model where the text offers nothing to copy."
-)
-CtxOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-c",
-        "--ctx-size",
-        min=0,
-        metavar="N",
-        help=described(
-            f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
-            EngineOptions.n_ctx,
-        ),
-    ),
-]
-BatchOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-b",
-        "--batch-size",
-        min=1,
-        metavar="N",
-        help=described(
-            "Most tokens one decode call takes; a round's draft is verified in one "
-            "call, so drafts stop at this minus 1.",
-            EngineOptions.n_batch,
-        ),
-    ),
-]
-UBatchOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-ub",
-        "--ubatch-size",
-        min=1,
-        metavar="N",
-        help=described("Most tokens one compute graph takes.", EngineOptions.n_ubatch),
-    ),
-]
-ThreadsOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-t",
-        "--threads",
-        min=0,
-        metavar="N",
-        help=described("CPU threads for the target (0: physical cores).", EngineOptions.threads),
-    ),
-]
-ThreadsDraftOpt = Annotated[
-    int | None,
-    typer.Option(
-        "-td",
-        "--threads-draft",
-        min=0,
-        metavar="N",
-        help=described("CPU threads for the draft.", "as -t"),
-    ),
-]
-NglOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-ngl",
-        "--n-gpu-layers",
-        metavar="N",
-        help=described(
-            "Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
-            "all the build can offload",
-        ),
-    ),
-]
-NgldOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-ngld",
-        "--n-gpu-layers-draft",
-        metavar="N",
-        help=described("Draft layers to offload to the GPU, as -ngl.", "all"),
-    ),
-]
-DeviceOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-dev",
-        "--device",
-        metavar="DEVICES",
-        help=described(
-            "Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
-            "every GPU",
-        ),
-    ),
-]
-DeviceDraftOpt = Annotated[
-    str | None,
-    typer.Option(
-        "-devd",
-        "--device-draft",
-        metavar="DEVICES",
-        help=described("Device(s) for the draft model, as -dev.", "as -dev"),
-    ),
-]
-RepackOpt = Annotated[
-    bool | None,
-    typer.Option(
-        "--repack/--no-repack",
-        " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
-        help=described(
-            "Repack weights for the CPU's fastest kernels.",
-            "on, unless a test run shows that they crash on this CPU",
-        ),
-    ),
-]
-
-
-class FlashAttn(str, Enum):
-    auto = "auto"
-    on = "on"
-    off = "off"
-
-
-FlashOpt = Annotated[
-    FlashAttn | None,
-    typer.Option(
-        "-fa",
-        "--flash-attn",
-        metavar="on|off|auto",
-        help=described(
-            "Flash attention; auto: whichever measures faster on this machine "
-            "(once per model and settings).",
-            EngineOptions.flash_attn,
-        ),
-    ),
-]
-
-
-def temp_option(default: float) -> Any:
-    """--temp, whose default differs: sampling for `run`, greedy for `bench`."""
-    return Annotated[
-        float | None,
-        typer.Option(
-            "--temp",
-            min=0.0,
-            metavar="T",
-            help=described("Temperature; 0 is greedy.", default),
-        ),
-    ]
-
-
-TopKOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--top-k",
-        min=0,
-        metavar="N",
-        help=described("Keep the k most likely tokens; 0 is off.", SamplingParams.top_k),
-    ),
-]
-TopPOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--top-p",
-        min=0.0,
-        max=1.0,
-        metavar="P",
-        help=described(
-            "Keep the smallest set with this much mass; 1 is off.", SamplingParams.top_p
-        ),
-    ),
-]
-MinPOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--min-p",
-        min=0.0,
-        max=1.0,
-        metavar="P",
-        help=described(
-            "Drop tokens below min-p x the top probability; 0 is off.", SamplingParams.min_p
-        ),
-    ),
-]
-DraftMaxOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--draft-max",
-        min=1,
-        metavar="N",
-        help=described("With -k auto: the longest draft.", DraftOptions.draft_max),
-    ),
-]
-DraftMinOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--draft-min",
-        min=0,
-        metavar="N",
-        help=described("With -k auto: the shortest draft.", DraftOptions.draft_min),
-    ),
-]
-DraftPMinOpt = Annotated[
-    float | None,
-    typer.Option(
-        "--draft-p-min",
-        min=0.0,
-        max=1.0,
-        metavar="P",
-        help=described(
-            "Stop drafting when the draft's top probability falls below this.", DraftOptions.p_min
-        ),
-    ),
-]
-NgramMinOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--ngram-min",
-        min=1,
-        metavar="N",
-        help=described("With -d ngram: the shortest n-gram to look up.", DraftOptions.ngram_min),
-    ),
-]
-NgramMaxOpt = Annotated[
-    int | None,
-    typer.Option(
-        "--ngram-max",
-        min=1,
-        metavar="N",
-        help=described(
-            "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
-        ),
-    ),
-]
-ConfigOpt = Annotated[
-    str | None,
-    typer.Option(
-        "--config",
-        metavar="FILE",
-        help=described(
-            "Config file of named models and pairs.",
-            "$SPECDEC_CONFIG, then models.toml in the user config dir",
-        ),
-    ),
-]
-VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
-
-
-def engine_options(
-    model: str | None,
-    drafts: list[str],
-    config_path: str | None,
-    *,
-    k: str | None,
-    ctx_size: int | None,
-    batch_size: int | None,
-    ubatch_size: int | None,
-    threads: int | None,
-    threads_draft: int | None,
-    n_gpu_layers: str | None,
-    n_gpu_layers_draft: str | None,
-    device: str | None,
-    device_draft: str | None,
-    repack: bool | None,
-    flash_attn: str | None,
-    temp: float | None,
-    top_k: int | None,
-    top_p: float | None,
-    min_p: float | None,
-    draft_max: int | None,
-    draft_min: int | None,
-    draft_p_min: float | None,
-    ngram_min: int | None,
-    ngram_max: int | None,
-    verbose: bool,
-) -> tuple[EngineOptions, dict[str, int]]:
-    """Turn the shared options (and the config file's defaults) into EngineOptions: what
-    the command line gives, else what the config gives, else the dataclasses' defaults.
-
-    Without a model, the built-in default pair (downloaded on first use).
-    Returns the options and the pair's remaining defaults (seed, n_predict)."""
-    config = load_config(config_path)
-    spec = config.resolve(model) if model else default_pair(config, note)
-    pair = spec if isinstance(spec, PairSpec) else None
-    target_spec = pair.target if pair else spec
-    defaults = dict(pair.sampling) if pair else {}
-    draft, ngram = split_drafts(drafts)
-    if not drafts and pair is not None:
-        draft = pair.draft.name or pair.draft.path
-    drafting = DraftOptions(
-        **_given(
-            k=_pick(k, pair.k if pair else None),
-            draft_min=draft_min,
-            draft_max=draft_max,
-            p_min=draft_p_min,
-            ngram_min=ngram_min,
-            ngram_max=ngram_max,
-        )
-    )
-    parse_k(drafting.k)
-    if drafting.draft_min > drafting.draft_max:
-        raise UserError(
-            f"--draft-min ({drafting.draft_min}) is above --draft-max ({drafting.draft_max})"
-        )
-    if drafting.ngram_min > drafting.ngram_max:
-        raise UserError(
-            f"--ngram-min ({drafting.ngram_min}) is above --ngram-max ({drafting.ngram_max})"
-        )
-    draft_spec = config.resolve(draft) if draft and draft.lower() != "none" else None
-    sampling = SamplingParams(
-        **_given(
-            temp=_pick(temp, defaults.get("temp")),
-            top_k=_pick(top_k, defaults.get("top_k")),
-            top_p=_pick(top_p, defaults.get("top_p")),
-            min_p=_pick(min_p, defaults.get("min_p")),
-        )
-    )
-    try:
-        target = locate_model(target_spec.path, config)
-        draft_path = locate_draft(draft, config) if draft else None
-    except UserError as err:
-        if model:
-            raise
-        raise UserError(f"{err}; or {OWN_MODELS}") from None
-    options = EngineOptions(
-        target=target,
-        draft=draft_path,
-        ngram=ngram,
-        n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
-        n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
-        device=device,
-        device_draft=device_draft,
-        repack=repack,
-        verbose=verbose,
-        sampling=sampling,
-        drafting=drafting,
-        **_given(
-            n_ctx=_pick(ctx_size, target_spec.n_ctx),
-            n_batch=batch_size,
-            n_ubatch=ubatch_size,
-            threads=_pick(threads, target_spec.threads),
-            threads_draft=_pick(threads_draft, getattr(draft_spec, "threads", None)),
-            flash_attn=FlashAttn(flash_attn).value if flash_attn else None,
-        ),
-    )
-    return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
-
-
-def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None) -> int | None:
-    """-ngl/-ngld as given, else the config's, else None (llama.cpp's default)."""
-    if value is not None:
-        return parse_gpu_layers(value, flag)
-    return getattr(spec, "n_gpu_layers", None)
-
-
-def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
-    """-d values: (the draft model named, if any; whether n-gram lookup was asked for)."""
-    models = [d for d in drafts if d.lower() != "ngram"]
-    if len(models) > 1:
-        raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
-    if models and models[0].lower() == NO_DRAFT and len(drafts) > 1:
-        raise UserError("-d none runs the target alone; it cannot go with -d ngram (keep one)")
-    return (models[0] if models else None), len(models) < len(drafts)
-
-
-SHARED_OPTIONS = (
-    "ctx_size", "batch_size", "ubatch_size", "threads", "threads_draft", "n_gpu_layers",
-    "n_gpu_layers_draft",
-    "device", "device_draft", "repack", "flash_attn", "temp", "top_k", "top_p", "min_p",
-    "draft_max", "draft_min", "draft_p_min", "ngram_min", "ngram_max", "verbose",
-)  # fmt: skip
-
-
-def shared_options(command_args: dict[str, object]) -> dict[str, object]:
-    """The options `run` and `bench` both take, picked from a command's arguments."""
-    return {name: command_args[name] for name in SHARED_OPTIONS}
-
-
-def _pick(*values: Any) -> Any:
-    """The first value that is not None (the command line, then the config), else None."""
-    return next((v for v in values if v is not None), None)
-
-
-def _given(**values: Any) -> dict[str, Any]:
-    """The values that were given: the dataclass's own defaults stand for the rest."""
-    return {name: value for name, value in values.items() if value is not None}
-
-
 @app.command()
+@takes_engine_flags
 def run(
     model: Annotated[
         str | None,
@@ -520,10 +128,7 @@ def run(
             help=described(MODEL_HELP, "the built-in pair 'default' (see --list-pairs)"),
         ),
     ] = None,
-    draft: Annotated[
-        list[str] | None,
-        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
-    ] = None,
+    draft: DraftsOpt = None,
     k: Annotated[
         str | None,
         typer.Option(
@@ -631,22 +236,8 @@ def run(
             ),
         ),
     ] = None,
-    ctx_size: CtxOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UBatchOpt = None,
-    threads: ThreadsOpt = None,
-    threads_draft: ThreadsDraftOpt = None,
-    n_gpu_layers: NglOpt = None,
-    n_gpu_layers_draft: NgldOpt = None,
-    device: DeviceOpt = None,
-    device_draft: DeviceDraftOpt = None,
-    repack: RepackOpt = None,
-    flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = None,
-    draft_min: DraftMinOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_min: NgramMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
+    *,
+    engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     as_json: Annotated[
         bool,
         typer.Option(
@@ -700,145 +291,16 @@ def run(
     chat_opts = chat_options(chat, system, messages, chat_template, prompt)
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
-    generation = GenerationOptions(
-        **_given(
-            n_predict=_pick(n_predict, defaults.get("n_predict")),
-            seed=_pick(seed, defaults.get("seed")),
-        )
-    )
-    if generation.n_predict == 0 or generation.n_predict < -1:
-        raise UserError(
-            f"--n-predict must be at least 1, or -1 for no limit (got {generation.n_predict})"
-        )
-    if generation.seed < 0:
-        generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
+    generation = generation_options(n_predict, seed, defaults)
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
         warn(message)
-    # Say why the first -k auto run pauses (a person, or a log, would wonder).
-    with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
-        for message in engine.warnings:
-            warn(message)
-        if prompts:
-            _run_many(engine, texts, generation, tuple(stop or ()), chat_opts, json_tokens)
-        else:
-            output = Output(as_json, json_tokens, color, quiet)
-            _run_one(engine, texts[0], generation, tuple(stop or ()), chat_opts, output)
-
-
-def ignored_options(options: EngineOptions, k: str | None, color: bool = False) -> list[str]:
-    """Options that would do nothing as given: one warning line each."""
-    out = []
-    if k is not None and options.draft is None and not options.ngram:
-        out.append(f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram")
-    if color and not sys.stdout.isatty():
-        out.append("--color colours text on a terminal only; stdout is not one")
-    return out
-
-
-@dataclass(frozen=True)
-class Output:
-    """How `run` shows one generation."""
-
-    as_json: bool = False
-    json_tokens: bool = False
-    color: bool = False
-    quiet: bool = False
-
-
-@contextmanager
-def ends_quietly_on_closed_pipe() -> Iterator[None]:
-    """`specdec run ... | head`: when the reader goes away, stop without a word, exit 0."""
-    try:
-        yield
-    except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        raise typer.Exit(0) from None
-
-
-def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max: int) -> int:
-    """Just enough context for the benchmark: a larger KV cache slows every decode down."""
-    longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
-    longest_prompt = max(len(t.encode()) for t in texts.values()) + 2  # tokens <= bytes + BOS
-    return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
-
-
-def _run_one(
-    engine: Engine,
-    text: str | None,
-    generation: GenerationOptions,
-    stop: tuple[str, ...],
-    chat: ChatOptions | None,
-    output: Output,
-) -> None:
-    tokens = engine.tokenize(text, chat)
-    stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
-    display = make_display(stats, output.as_json, output.quiet, output.color)
-    pieces: list[Piece] = []
-    rng = np.random.default_rng(generation.seed)
-    try:
-        with interrupt.generating():
-            for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
-                pieces.append(piece)
-                if piece.text:
-                    display.text(piece.text, drafted=piece.drafted)
-    except KeyboardInterrupt:
-        stats.stop_reason = "interrupted"
-    display.finish()
-    if output.as_json:
-        record = {"text": "".join(p.text for p in pieces), "seed": generation.seed}
-        record |= stats.to_dict()
-        if output.json_tokens:
-            record["token_list"] = token_records(engine, pieces)
-        print(json.dumps(record))
-    if stats.stop_reason == "interrupted":
-        raise typer.Exit(interrupt.EXIT_CODE)
-
-
-def token_records(engine: Engine, pieces: list[Piece]) -> list[dict[str, object]]:
-    """--json-tokens: each token's id, its own text, and who chose it."""
-    return [
-        {"id": p.token, "text": engine.model.piece(p.token).decode(errors="replace"), "by": p.by}
-        for p in pieces
-        if p.token is not None
-    ]
-
-
-def line_seed(seed: int, line: int) -> int:
-    """The seed of a --prompts line: its own random stream, derived from --seed and the
-    line number (so that lines added elsewhere do not change it), and the --seed that
-    reruns that line alone with -p."""
-    return int(np.random.SeedSequence([seed, line]).generate_state(1)[0])
-
-
-def _run_many(
-    engine: Engine,
-    texts: dict[int, str],
-    generation: GenerationOptions,
-    stop: tuple[str, ...],
-    chat: ChatOptions | None,
-    json_tokens: bool,
-) -> None:
-    """One JSON line per prompt, each with a seed of its own derived from --seed."""
-    for line, text in texts.items():
-        stats = Stats()
-        tokens = engine.tokenize(text, chat)
-        seed = line_seed(generation.seed, line)
-        rng = np.random.default_rng(seed)
-        try:
-            with interrupt.generating():
-                pieces = list(engine.pieces(tokens, generation.n_predict, rng, stats, stop))
-        except KeyboardInterrupt:
-            raise typer.Exit(interrupt.EXIT_CODE) from None
-        out = "".join(p.text for p in pieces)
-        record = {"index": line, "prompt": text, "text": out, "seed": seed, **stats.to_dict()}
-        if json_tokens:
-            record["token_list"] = token_records(engine, pieces)
-        print(json.dumps(record), flush=True)
+    output = Output(as_json, json_tokens, color, quiet, json_lines=prompts is not None)
+    generate(options, texts, generation, tuple(stop or ()), chat_opts, output)
 
 
 @app.command()
+@takes_engine_flags
 def bench(
     model: ModelOpt,
     draft: Annotated[
@@ -903,22 +365,8 @@ def bench(
             help=described("Random seed (sampling only).", BenchOptions.seed),
         ),
     ] = None,
-    ctx_size: CtxOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UBatchOpt = None,
-    threads: ThreadsOpt = None,
-    threads_draft: ThreadsDraftOpt = None,
-    n_gpu_layers: NglOpt = None,
-    n_gpu_layers_draft: NgldOpt = None,
-    device: DeviceOpt = None,
-    device_draft: DeviceDraftOpt = None,
-    repack: RepackOpt = None,
-    flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = None,
-    draft_min: DraftMinOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_min: NgramMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
+    *,
+    engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     json_path: Annotated[
         Path | None,
         typer.Option("--json", metavar="FILE", help="Write every figure to this JSON file."),
@@ -945,39 +393,68 @@ def bench(
     Example:
       specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
-    # Fail now, not after minutes of measuring.
-    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
-        if path:
-            check_writable(path, flag)
-    if plot_path:
-        load_pyplot()
+    _check_outputs(json_path, plot_path)
     drafts = draft or []
-    if not drafts:
-        raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
-    model_draft, ngram = split_drafts(drafts)
-    # Each drafter alone, and both together (lookup first) when both are named.
-    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
-    if len(kinds) == 2:
-        kinds.append("model+ngram")
-    plan = BenchOptions(**_given(ks=k, n_predict=n_predict, repeat=repeat, seed=seed))
+    kinds = _drafter_kinds(drafts)
+    plan = BenchOptions(**only_given(ks=k, n_predict=n_predict, repeat=repeat, seed=seed))
     ks = [x.strip() for x in plan.ks.split(",") if x.strip()]
     variant_list = variants(kinds, ks)
     texts = (
         {f"line {n}": t for n, t in read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
     )
     flags = shared_options(locals())
-    flags["temp"] = _pick(temp, BenchOptions.temp)
+    flags["temp"] = first_given(temp, BenchOptions.temp)
     options, _ = engine_options(model, drafts, config, k="1", **flags)
-    if ctx_size is None:
+    if engine_flags["ctx_size"] is None:
         n_ctx = fit_context(texts, plan.n_predict, ks, options.drafting.draft_max)
         options = replace(options, n_ctx=n_ctx)
-    with Engine(options, notify=note) as engine, ends_quietly_on_closed_pipe():
-        for message in engine.warnings:
-            warn(message)
+    report = _measure(options, variant_list, texts, plan)
+    print_bench(report)
+    _write_outputs(report, json_path, plot_path)
+
+
+def _check_outputs(json_path: Path | None, plot_path: Path | None) -> None:
+    """Fail now, not after minutes of measuring."""
+    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
+        if path:
+            check_writable(path, flag)
+    if plot_path:
+        load_pyplot()
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Refuse, before any work, a path that a file cannot be written to."""
+    if path.is_dir():
+        raise UserError(f"{flag} {path} is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise UserError(f"{flag} {path}: there is no directory {path.parent}; create it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{flag} {path}: not writable here; choose another path")
+
+
+def _drafter_kinds(drafts: list[str]) -> list[str]:
+    """Each drafter -d names, alone, and both together (lookup first) when both are named."""
+    if not drafts:
+        raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
+    model_draft, ngram = split_drafts(drafts)
+    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
+    if len(kinds) == 2:
+        kinds.append("model+ngram")
+    return kinds
+
+
+def _measure(
+    options: EngineOptions, variant_list: list[Variant], texts: dict[str, str], plan: BenchOptions
+) -> BenchReport:
+    """Every variant on every prompt, as often as the plan says, with a progress bar."""
+    with loaded_engine(options) as engine:
         total = len(variant_list) * len(texts) * plan.repeat
         with bench_progress(total) as advance:
-            report = run_bench(engine, variant_list, texts, plan, advance)
-    print_bench(report)
+            return run_bench(engine, variant_list, texts, plan, advance)
+
+
+def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path | None) -> None:
+    """--json and --plot."""
     if json_path:
         try:
             json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
@@ -988,12 +465,10 @@ def bench(
 
 
 @app.command()
+@takes_engine_flags
 def serve(
     model: ModelOpt,
-    draft: Annotated[
-        list[str] | None,
-        typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
-    ] = None,
+    draft: DraftsOpt = None,
     k: Annotated[
         str | None,
         typer.Option(
@@ -1076,22 +551,8 @@ def serve(
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
-    ctx_size: CtxOpt = None,
-    batch_size: BatchOpt = None,
-    ubatch_size: UBatchOpt = None,
-    threads: ThreadsOpt = None,
-    threads_draft: ThreadsDraftOpt = None,
-    n_gpu_layers: NglOpt = None,
-    n_gpu_layers_draft: NgldOpt = None,
-    device: DeviceOpt = None,
-    device_draft: DeviceDraftOpt = None,
-    repack: RepackOpt = None,
-    flash_attn: FlashOpt = None,
-    draft_max: DraftMaxOpt = None,
-    draft_min: DraftMinOpt = None,
-    draft_p_min: DraftPMinOpt = None,
-    ngram_min: NgramMinOpt = None,
-    ngram_max: NgramMaxOpt = None,
+    *,
+    engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -1115,7 +576,7 @@ def serve(
     options, _ = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
     for message in ignored_options(options, k):
         warn(message)
-    given = _given(
+    given = only_given(
         host=host,
         port=port,
         api_key=api_key,
@@ -1127,19 +588,7 @@ def serve(
     run_server(options, ServeOptions(**given))
 
 
-def check_writable(path: Path, flag: str) -> None:
-    """Refuse, before any work, a path that a file cannot be written to."""
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: there is no directory {path.parent}; create it first")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable here; choose another path")
-
-
 # --- model commands (info, check) ---
-
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
 
 @app.command()

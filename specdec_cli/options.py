@@ -1,0 +1,513 @@
+"""The options `run`, `bench` and `serve` share, and the config merge: what the command
+line gives, else what the config file gives, else the dataclasses' defaults.
+
+Names follow llama.cpp's where they mean the same. Defaults live in the dataclasses
+(EngineOptions, DraftOptions, SamplingParams, ...): an option defaults to None, so that
+a config file can fill in what the command line left out, and its help says the
+dataclass's value (see `described`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from enum import Enum
+from typing import Annotated, Any
+
+import numpy as np
+import typer
+
+from specdec_cli.config import ModelSpec, PairSpec, load_config
+from specdec_cli.display import note
+from specdec_cli.engine import (
+    DEFAULT_MAX_CTX,
+    DraftOptions,
+    EngineOptions,
+    GenerationOptions,
+    parse_gpu_layers,
+    parse_k,
+)
+from specdec_cli.errors import UserError
+from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
+from specdec_cli.sampling import SamplingParams
+
+
+def described(text: str, default: object) -> str:
+    """An option's help, ending with its default, said once."""
+    return f"{text}  [default: {default}]"
+
+
+MODEL_HELP = (
+    "Target model: a .gguf file, a name from the config (a [models] or [pairs] entry), "
+    "or a Hugging Face ref (hf://OWNER/REPO/FILE.gguf, OWNER/REPO:Q4_K_M)."
+)
+ModelOpt = Annotated[
+    str,
+    typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
+]
+DRAFT_HELP = (
+    "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
+    "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
+    "first, the model where the text offers nothing to copy."
+)
+DraftsOpt = Annotated[
+    list[str] | None,
+    typer.Option("-d", "-md", "--draft", metavar="DRAFT", help=described(DRAFT_HELP, "none")),
+]
+CtxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-c",
+        "--ctx-size",
+        min=0,
+        metavar="N",
+        help=described(
+            f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
+            EngineOptions.n_ctx,
+        ),
+    ),
+]
+BatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-b",
+        "--batch-size",
+        min=1,
+        metavar="N",
+        help=described(
+            "Most tokens one decode call takes; a round's draft is verified in one "
+            "call, so drafts stop at this minus 1.",
+            EngineOptions.n_batch,
+        ),
+    ),
+]
+UBatchOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-ub",
+        "--ubatch-size",
+        min=1,
+        metavar="N",
+        help=described("Most tokens one compute graph takes.", EngineOptions.n_ubatch),
+    ),
+]
+ThreadsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-t",
+        "--threads",
+        min=0,
+        metavar="N",
+        help=described("CPU threads for the target (0: physical cores).", EngineOptions.threads),
+    ),
+]
+ThreadsDraftOpt = Annotated[
+    int | None,
+    typer.Option(
+        "-td",
+        "--threads-draft",
+        min=0,
+        metavar="N",
+        help=described("CPU threads for the draft.", "as -t"),
+    ),
+]
+NglOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-ngl",
+        "--n-gpu-layers",
+        metavar="N",
+        help=described(
+            "Target layers to offload to the GPU: a number (0: CPU only), or 'auto'/'all'.",
+            "all the build can offload",
+        ),
+    ),
+]
+NgldOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-ngld",
+        "--n-gpu-layers-draft",
+        metavar="N",
+        help=described("Draft layers to offload to the GPU, as -ngl.", "all"),
+    ),
+]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-dev",
+        "--device",
+        metavar="DEVICES",
+        help=described(
+            "Device(s) for the target, comma-separated ('none': no offload; see --list-devices).",
+            "every GPU",
+        ),
+    ),
+]
+DeviceDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-devd",
+        "--device-draft",
+        metavar="DEVICES",
+        help=described("Device(s) for the draft model, as -dev.", "as -dev"),
+    ),
+]
+RepackOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--repack/--no-repack",
+        " /-nr",  # llama.cpp's short name for --no-repack (click needs the space)
+        help=described(
+            "Repack weights for the CPU's fastest kernels.",
+            "on, unless a test run shows that they crash on this CPU",
+        ),
+    ),
+]
+
+
+class FlashAttn(str, Enum):
+    auto = "auto"
+    on = "on"
+    off = "off"
+
+
+FlashOpt = Annotated[
+    FlashAttn | None,
+    typer.Option(
+        "-fa",
+        "--flash-attn",
+        metavar="on|off|auto",
+        help=described(
+            "Flash attention; auto: whichever measures faster on this machine "
+            "(once per model and settings).",
+            EngineOptions.flash_attn,
+        ),
+    ),
+]
+
+
+def temp_option(default: float) -> Any:
+    """--temp, whose default differs: sampling for `run`, greedy for `bench`."""
+    return Annotated[
+        float | None,
+        typer.Option(
+            "--temp",
+            min=0.0,
+            metavar="T",
+            help=described("Temperature; 0 is greedy.", default),
+        ),
+    ]
+
+
+TopKOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--top-k",
+        min=0,
+        metavar="N",
+        help=described("Keep the k most likely tokens; 0 is off.", SamplingParams.top_k),
+    ),
+]
+TopPOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--top-p",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help=described(
+            "Keep the smallest set with this much mass; 1 is off.", SamplingParams.top_p
+        ),
+    ),
+]
+MinPOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--min-p",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help=described(
+            "Drop tokens below min-p x the top probability; 0 is off.", SamplingParams.min_p
+        ),
+    ),
+]
+DraftMaxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-max",
+        min=1,
+        metavar="N",
+        help=described("With -k auto: the longest draft.", DraftOptions.draft_max),
+    ),
+]
+DraftMinOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--draft-min",
+        min=0,
+        metavar="N",
+        help=described("With -k auto: the shortest draft.", DraftOptions.draft_min),
+    ),
+]
+DraftPMinOpt = Annotated[
+    float | None,
+    typer.Option(
+        "--draft-p-min",
+        min=0.0,
+        max=1.0,
+        metavar="P",
+        help=described(
+            "Stop drafting when the draft's top probability falls below this.", DraftOptions.p_min
+        ),
+    ),
+]
+NgramMinOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ngram-min",
+        min=1,
+        metavar="N",
+        help=described("With -d ngram: the shortest n-gram to look up.", DraftOptions.ngram_min),
+    ),
+]
+NgramMaxOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--ngram-max",
+        min=1,
+        metavar="N",
+        help=described(
+            "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
+        ),
+    ),
+]
+ConfigOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--config",
+        metavar="FILE",
+        help=described(
+            "Config file of named models and pairs.",
+            "$SPECDEC_CONFIG, then models.toml in the user config dir",
+        ),
+    ),
+]
+VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
+
+# How the models load and run, and how the drafters draft: the same options, in this order
+# (their order in --help), for every command that loads models.
+ENGINE_FLAGS = {
+    "ctx_size": CtxOpt,
+    "batch_size": BatchOpt,
+    "ubatch_size": UBatchOpt,
+    "threads": ThreadsOpt,
+    "threads_draft": ThreadsDraftOpt,
+    "n_gpu_layers": NglOpt,
+    "n_gpu_layers_draft": NgldOpt,
+    "device": DeviceOpt,
+    "device_draft": DeviceDraftOpt,
+    "repack": RepackOpt,
+    "flash_attn": FlashOpt,
+    "draft_max": DraftMaxOpt,
+    "draft_min": DraftMinOpt,
+    "draft_p_min": DraftPMinOpt,
+    "ngram_min": NgramMinOpt,
+    "ngram_max": NgramMaxOpt,
+}
+EngineFlags = dict[str, Any]  # ENGINE_FLAGS' names and the values given (None: not given)
+
+
+def takes_engine_flags(command: Callable[..., None]) -> Callable[..., None]:
+    """Give a command the ENGINE_FLAGS options, where its parameter `engine_flags` stands,
+    and hand their values to it in that one parameter.
+
+    typer reads a command's options from its signature: this writes them into the
+    signature it sees, so that they are declared once for every command."""
+    signature = inspect.signature(command, eval_str=True)
+    parameters = []
+    for parameter in signature.parameters.values():
+        if parameter.name != "engine_flags":
+            parameters.append(parameter)
+            continue
+        parameters += [
+            inspect.Parameter(name, parameter.kind, default=None, annotation=option)
+            for name, option in ENGINE_FLAGS.items()
+        ]
+
+    @functools.wraps(command)
+    def with_engine_flags(**args: Any) -> None:
+        flags = {name: args.pop(name) for name in ENGINE_FLAGS}
+        command(**args, engine_flags=flags)
+
+    with_engine_flags.__signature__ = signature.replace(parameters=parameters)
+    return with_engine_flags
+
+
+def engine_options(
+    model: str | None,
+    drafts: list[str],
+    config_path: str | None,
+    *,
+    k: str | None,
+    ctx_size: int | None,
+    batch_size: int | None,
+    ubatch_size: int | None,
+    threads: int | None,
+    threads_draft: int | None,
+    n_gpu_layers: str | None,
+    n_gpu_layers_draft: str | None,
+    device: str | None,
+    device_draft: str | None,
+    repack: bool | None,
+    flash_attn: str | None,
+    temp: float | None,
+    top_k: int | None,
+    top_p: float | None,
+    min_p: float | None,
+    draft_max: int | None,
+    draft_min: int | None,
+    draft_p_min: float | None,
+    ngram_min: int | None,
+    ngram_max: int | None,
+    verbose: bool,
+) -> tuple[EngineOptions, dict[str, int]]:
+    """Turn the shared options (and the config file's defaults) into EngineOptions: what
+    the command line gives, else what the config gives, else the dataclasses' defaults.
+
+    Without a model, the built-in default pair (downloaded on first use).
+    Returns the options and the pair's remaining defaults (seed, n_predict)."""
+    config = load_config(config_path)
+    spec = config.resolve(model) if model else default_pair(config, note)
+    pair = spec if isinstance(spec, PairSpec) else None
+    target_spec = pair.target if pair else spec
+    defaults = dict(pair.sampling) if pair else {}
+    draft, ngram = split_drafts(drafts)
+    if not drafts and pair is not None:
+        draft = pair.draft.name or pair.draft.path
+    drafting = DraftOptions(
+        **only_given(
+            k=first_given(k, pair.k if pair else None),
+            draft_min=draft_min,
+            draft_max=draft_max,
+            p_min=draft_p_min,
+            ngram_min=ngram_min,
+            ngram_max=ngram_max,
+        )
+    )
+    parse_k(drafting.k)
+    if drafting.draft_min > drafting.draft_max:
+        raise UserError(
+            f"--draft-min ({drafting.draft_min}) is above --draft-max ({drafting.draft_max})"
+        )
+    if drafting.ngram_min > drafting.ngram_max:
+        raise UserError(
+            f"--ngram-min ({drafting.ngram_min}) is above --ngram-max ({drafting.ngram_max})"
+        )
+    draft_spec = config.resolve(draft) if draft and draft.lower() != "none" else None
+    sampling = SamplingParams(
+        **only_given(
+            temp=first_given(temp, defaults.get("temp")),
+            top_k=first_given(top_k, defaults.get("top_k")),
+            top_p=first_given(top_p, defaults.get("top_p")),
+            min_p=first_given(min_p, defaults.get("min_p")),
+        )
+    )
+    try:
+        target = locate_model(target_spec.path, config)
+        draft_path = locate_draft(draft, config) if draft else None
+    except UserError as err:
+        if model:
+            raise
+        raise UserError(f"{err}; or {OWN_MODELS}") from None
+    options = EngineOptions(
+        target=target,
+        draft=draft_path,
+        ngram=ngram,
+        n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
+        n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
+        device=device,
+        device_draft=device_draft,
+        repack=repack,
+        verbose=verbose,
+        sampling=sampling,
+        drafting=drafting,
+        **only_given(
+            n_ctx=first_given(ctx_size, target_spec.n_ctx),
+            n_batch=batch_size,
+            n_ubatch=ubatch_size,
+            threads=first_given(threads, target_spec.threads),
+            threads_draft=first_given(threads_draft, getattr(draft_spec, "threads", None)),
+            flash_attn=FlashAttn(flash_attn).value if flash_attn else None,
+        ),
+    )
+    return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
+
+
+def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None) -> int | None:
+    """-ngl/-ngld as given, else the config's, else None (llama.cpp's default)."""
+    if value is not None:
+        return parse_gpu_layers(value, flag)
+    return getattr(spec, "n_gpu_layers", None)
+
+
+def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
+    """-d values: (the draft model named, if any; whether n-gram lookup was asked for)."""
+    models = [d for d in drafts if d.lower() != "ngram"]
+    if len(models) > 1:
+        raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
+    if models and models[0].lower() == NO_DRAFT and len(drafts) > 1:
+        raise UserError("-d none runs the target alone; it cannot go with -d ngram (keep one)")
+    return (models[0] if models else None), len(models) < len(drafts)
+
+
+def shared_options(command_args: dict[str, Any]) -> dict[str, Any]:
+    """The options `run`, `bench` and `serve` all take, picked from a command's arguments
+    (its locals()): the sampling filters, --verbose and the engine flags."""
+    shared = {name: command_args[name] for name in ("temp", "top_k", "top_p", "min_p", "verbose")}
+    return shared | command_args["engine_flags"]
+
+
+def first_given(*values: Any) -> Any:
+    """The first value that is not None (the command line, then the config), else None."""
+    return next((v for v in values if v is not None), None)
+
+
+def only_given(**values: Any) -> dict[str, Any]:
+    """The values that were given: the dataclass's own defaults stand for the rest."""
+    return {name: value for name, value in values.items() if value is not None}
+
+
+def generation_options(
+    n_predict: int | None, seed: int | None, pair_defaults: dict[str, int]
+) -> GenerationOptions:
+    """-n and --seed as given, else the pair's, else the dataclass's; a seed of -1 picks
+    one (reported with the stats, so that the run can be repeated)."""
+    generation = GenerationOptions(
+        **only_given(
+            n_predict=first_given(n_predict, pair_defaults.get("n_predict")),
+            seed=first_given(seed, pair_defaults.get("seed")),
+        )
+    )
+    if generation.n_predict == 0 or generation.n_predict < -1:
+        raise UserError(
+            f"--n-predict must be at least 1, or -1 for no limit (got {generation.n_predict})"
+        )
+    if generation.seed < 0:
+        generation = replace(generation, seed=int(np.random.SeedSequence().entropy % 2**32))
+    return generation
+
+
+def ignored_options(options: EngineOptions, k: str | None, color: bool = False) -> list[str]:
+    """Options that would do nothing as given: one warning line each."""
+    out = []
+    if k is not None and options.draft is None and not options.ngram:
+        out.append(f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram")
+    if color and not sys.stdout.isatty():
+        out.append("--color colours text on a terminal only; stdout is not one")
+    return out

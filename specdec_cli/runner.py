@@ -1,0 +1,146 @@
+"""`specdec run`'s generations: the models loaded once, then the text and the stats shown
+as asked (streamed, one JSON object, or one JSON line per --prompts line)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import typer
+
+from specdec_cli import interrupt
+from specdec_cli.chat import ChatOptions
+from specdec_cli.display import make_display, note, warn
+from specdec_cli.engine import Engine, EngineOptions, GenerationOptions, Piece
+from specdec_cli.stats import Stats
+
+
+@dataclass(frozen=True)
+class Output:
+    """How `run` shows its generations."""
+
+    as_json: bool = False
+    json_tokens: bool = False
+    color: bool = False
+    quiet: bool = False
+    json_lines: bool = False  # --prompts: one JSON line per prompt
+
+
+def generate(
+    options: EngineOptions,
+    texts: dict[int, str | None],
+    generation: GenerationOptions,
+    stop: tuple[str, ...],
+    chat: ChatOptions | None,
+    output: Output,
+) -> None:
+    """Load the models and generate from each prompt (keyed by its line number)."""
+    with loaded_engine(options, quiet=output.quiet) as engine:
+        if output.json_lines:
+            _run_many(engine, texts, generation, stop, chat, output.json_tokens)
+        else:
+            _run_one(engine, texts[0], generation, stop, chat, output)
+
+
+@contextmanager
+def loaded_engine(options: EngineOptions, quiet: bool = False) -> Iterator[Engine]:
+    """The models loaded and their warnings said; a closed stdout then ends quietly."""
+    # Say why the first -k auto run pauses (a person, or a log, would wonder).
+    with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
+        for message in engine.warnings:
+            warn(message)
+        yield engine
+
+
+@contextmanager
+def ends_quietly_on_closed_pipe() -> Iterator[None]:
+    """`specdec run ... | head`: when the reader goes away, stop without a word, exit 0."""
+    try:
+        yield
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        raise typer.Exit(0) from None
+
+
+def _run_one(
+    engine: Engine,
+    text: str | None,
+    generation: GenerationOptions,
+    stop: tuple[str, ...],
+    chat: ChatOptions | None,
+    output: Output,
+) -> None:
+    """One generation: the text as it comes (or held for --json), then the stats."""
+    tokens = engine.tokenize(text, chat)
+    stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
+    display = make_display(stats, output.as_json, output.quiet, output.color)
+    pieces: list[Piece] = []
+    rng = np.random.default_rng(generation.seed)
+    try:
+        with interrupt.generating():
+            for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
+                pieces.append(piece)
+                if piece.text:
+                    display.text(piece.text, drafted=piece.drafted)
+    except KeyboardInterrupt:
+        stats.stop_reason = "interrupted"
+    display.finish()
+    if output.as_json:
+        print(json.dumps(_record(engine, pieces, generation.seed, stats, output.json_tokens)))
+    if stats.stop_reason == "interrupted":
+        raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def _run_many(
+    engine: Engine,
+    texts: dict[int, str | None],
+    generation: GenerationOptions,
+    stop: tuple[str, ...],
+    chat: ChatOptions | None,
+    json_tokens: bool,
+) -> None:
+    """One JSON line per prompt, each with a seed of its own derived from --seed."""
+    for line, text in texts.items():
+        stats = Stats()
+        tokens = engine.tokenize(text, chat)
+        seed = line_seed(generation.seed, line)
+        rng = np.random.default_rng(seed)
+        try:
+            with interrupt.generating():
+                pieces = list(engine.pieces(tokens, generation.n_predict, rng, stats, stop))
+        except KeyboardInterrupt:
+            raise typer.Exit(interrupt.EXIT_CODE) from None
+        record = {"index": line, "prompt": text} | _record(engine, pieces, seed, stats, json_tokens)
+        print(json.dumps(record), flush=True)
+
+
+def _record(
+    engine: Engine, pieces: list[Piece], seed: int, stats: Stats, json_tokens: bool
+) -> dict[str, object]:
+    """One generation in JSON: its text, seed and stats (and each token, with --json-tokens)."""
+    record = {"text": "".join(p.text for p in pieces), "seed": seed, **stats.to_dict()}
+    if json_tokens:
+        record["token_list"] = token_records(engine, pieces)
+    return record
+
+
+def token_records(engine: Engine, pieces: list[Piece]) -> list[dict[str, object]]:
+    """--json-tokens: each token's id, its own text, and who chose it."""
+    return [
+        {"id": p.token, "text": engine.model.piece(p.token).decode(errors="replace"), "by": p.by}
+        for p in pieces
+        if p.token is not None
+    ]
+
+
+def line_seed(seed: int, line: int) -> int:
+    """The seed of a --prompts line: its own random stream, derived from --seed and the
+    line number (so that lines added elsewhere do not change it), and the --seed that
+    reruns that line alone with -p."""
+    return int(np.random.SeedSequence([seed, line]).generate_state(1)[0])
