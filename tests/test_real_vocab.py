@@ -159,7 +159,10 @@ def test_greedy_speculative_equals_target_only(
         decoder = engine.make_decoder("model", k)
         out, stats = generate(engine, N_TOKENS, decoder=decoder)
         assert out == reference(family), f"k={k}"
-        assert 0.0 < stats.acceptance_rate < 1.0  # the draft really disagrees sometimes
+        if k == "auto":  # it may stop drafting where this tiny pair's costs say so
+            assert stats.drafted > 0
+        else:
+            assert 0.0 < stats.acceptance_rate < 1.0  # the draft really disagrees sometimes
         text, _ = streamed(engine, N_TOKENS, decoder=decoder)
         whole = b"".join(engine.model.piece(t) for t in out).decode(errors="replace")
         assert text == whole  # streamed as accepted == detokenized at once
