@@ -221,6 +221,18 @@ class GGUFFile:
         return not self.tensors and self.split_count == 1 and bool(self.tokens)
 
 
+# Arrays nothing here reads: a BPE vocabulary's merges are 150k-500k strings, and
+# decoding them costs a pair's start-up tenths of a second.
+UNREAD_ARRAYS = frozenset({"tokenizer.ggml.merges"})
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An array read past, not decoded: how many entries it has."""
+
+    count: int
+
+
 class _Corrupt(Exception):
     """Raised inside the parser; read_gguf turns it into a UserError naming the file."""
 
@@ -267,6 +279,21 @@ class _Cursor:
         dtype = np.dtype("<" + _SCALAR_FORMATS[etype])
         # One bulk conversion: a 150k-entry scores or token_type array costs milliseconds.
         return np.frombuffer(self.take(count * dtype.itemsize), dtype=dtype).tolist()
+
+    def skip_array(self) -> Skipped:
+        """Step over an array of strings without decoding it: only its length is kept."""
+        etype, count = self.scalar("I"), self.scalar("Q")
+        if etype != _STRING:
+            raise _Corrupt(f"an array of strings has element type {etype}")
+        buf, pos, size = self.buf, self.pos, len(self.buf)
+        unpack_len = struct.Struct("<Q").unpack_from
+        for _ in range(count):
+            (n,) = unpack_len(buf, pos)
+            pos += 8 + n
+            if pos > size:
+                raise _Corrupt(f"it ends at byte {size} while reading up to byte {pos}")
+        self.pos = pos
+        return Skipped(count)
 
     def string_array(self, count: int) -> list[str]:
         # The vocabulary and merges are 100k+ strings: keep this loop free of method calls.
@@ -394,7 +421,11 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
                 metadata: dict[str, object] = {}
                 for _ in range(n_kv):
                     key = cursor.string()
-                    metadata[key] = cursor.value(cursor.scalar("I"))
+                    vtype = cursor.scalar("I")
+                    if key in UNREAD_ARRAYS and vtype == _ARRAY:
+                        metadata[key] = cursor.skip_array()
+                    else:
+                        metadata[key] = cursor.value(vtype)
                 tensors, offsets = _read_tensor_infos(cursor, n_tensors)
             except _Corrupt as err:
                 raise UserError(
