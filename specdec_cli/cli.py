@@ -36,9 +36,9 @@ from specdec_cli.display import (
 )
 from specdec_cli.engine import DraftOptions, EngineOptions, GenerationOptions
 from specdec_cli.errors import UserError
-from specdec_cli.llama import builtin_chat_templates
 from specdec_cli.options import (
     MODEL_HELP,
+    ChatTemplateOpt,
     ConfigOpt,
     DraftsOpt,
     EngineFlags,
@@ -211,16 +211,7 @@ def run(
             "ends with an assistant message, the reply continues it.",
         ),
     ] = None,
-    chat_template: Annotated[
-        str | None,
-        typer.Option(
-            "--chat-template",
-            metavar="NAME|FILE",
-            help="The chat format, instead of the model's own (implies --chat): a llama.cpp "
-            f"built-in name ({', '.join(builtin_chat_templates())}), or a Jinja template "
-            "file, which llama.cpp only recognises as one of those formats (else refused).",
-        ),
-    ] = None,
+    chat_template: ChatTemplateOpt = None,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
@@ -537,16 +528,7 @@ def serve(
             ),
         ),
     ] = None,
-    chat_template: Annotated[
-        str | None,
-        typer.Option(
-            "--chat-template",
-            metavar="NAME|FILE",
-            help="The chat format for /v1/chat/completions instead of the model's own: a "
-            f"llama.cpp built-in name ({', '.join(builtin_chat_templates())}) or a template "
-            "file llama.cpp recognises.",
-        ),
-    ] = None,
+    chat_template: ChatTemplateOpt = None,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,

@@ -7,7 +7,6 @@ policy, which sampling settings, and the compatibility check between the two mod
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -358,22 +357,6 @@ class Engine:
         if chat is not None:
             return prompt_tokens(self.model, prompt, chat)
         return self.model.tokenize(prompt)
-
-    def generate(
-        self,
-        prompt: list[int],
-        n_predict: int,
-        rng: np.random.Generator,
-        stats: Stats,
-        stop: tuple[str, ...] = (),
-        decoder: Decoder | None = None,
-        sampling: SamplingParams | None = None,
-    ) -> Iterator[str]:
-        """Yield the generated text in pieces as the tokens are accepted."""
-        with closing(self.pieces(prompt, n_predict, rng, stats, stop, decoder, sampling)) as pieces:
-            for piece in pieces:
-                if piece.text:
-                    yield piece.text
 
     def pieces(
         self,

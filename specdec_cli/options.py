@@ -31,6 +31,7 @@ from specdec_cli.engine import (
     parse_k,
 )
 from specdec_cli.errors import UserError
+from specdec_cli.llama import builtin_chat_templates
 from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
 from specdec_cli.sampling import SamplingParams
 
@@ -284,6 +285,17 @@ NgramMaxOpt = Annotated[
         help=described(
             "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
         ),
+    ),
+]
+ChatTemplateOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template",
+        metavar="NAME|FILE",
+        help="The chat format instead of the model's own (for run, implies --chat): a "
+        f"llama.cpp built-in name ({', '.join(builtin_chat_templates())}), or a Jinja "
+        "template file, which llama.cpp only recognises as one of those formats (else "
+        "refused).",
     ),
 ]
 ConfigOpt = Annotated[

@@ -412,9 +412,8 @@ def test_matches_llama_cpp_python_greedy(stories260k: Path) -> None:
     llm = llama_cpp.Llama(model_path=str(stories260k), n_ctx=256, n_threads=1, verbose=False)
     reference = llm.create_completion(PROMPT, max_tokens=64, temperature=0.0)["choices"][0]
     with open_engine(stories260k, stories260k, 4) as engine:
-        text = "".join(
-            engine.generate(engine.tokenize(PROMPT), 64, np.random.default_rng(0), Stats())
-        )
+        pieces = engine.pieces(engine.tokenize(PROMPT), 64, np.random.default_rng(0), Stats())
+        text = "".join(p.text for p in pieces)
     assert text == reference["text"]
 
 

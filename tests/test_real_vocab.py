@@ -143,11 +143,12 @@ def test_streamed_pieces_are_the_text(vocab_model: Callable[[str], Model], famil
 def streamed(
     engine: Engine, n_predict: int, stop: tuple[str, ...] = (), decoder: Decoder | None = None
 ) -> tuple[str, Stats]:
-    """The text engine.generate yields for PROMPT."""
+    """The text engine.pieces yields for PROMPT, piece by piece."""
     stats = Stats()
     prompt = engine.tokenize(PROMPT)
     rng = np.random.default_rng(0)
-    return "".join(engine.generate(prompt, n_predict, rng, stats, stop, decoder)), stats
+    pieces = engine.pieces(prompt, n_predict, rng, stats, stop, decoder)
+    return "".join(p.text for p in pieces), stats
 
 
 @pytest.mark.parametrize("family", LARGEST)

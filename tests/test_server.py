@@ -143,7 +143,9 @@ def greedy(target_model: Path) -> Iterator:
 
         def text(prompt: str, n: int = N) -> str:
             tokens = engine.tokenize(prompt)
-            return "".join(engine.generate(tokens, n, np.random.default_rng(0), Stats()))
+            return "".join(
+                p.text for p in engine.pieces(tokens, n, np.random.default_rng(0), Stats())
+            )
 
         yield text
 
