@@ -78,7 +78,8 @@ def test_auto_measures_for_real_and_uses_its_choice(
         choice = measured.flash_attn
         stats = Stats()
         rng = np.random.default_rng(0)
-        text = "".join(measured.generate(measured.tokenize("Once"), 4, rng, stats))
+        pieces = measured.pieces(measured.tokenize("Once"), 4, rng, stats)
+        text = "".join(p.text for p in pieces)
     assert choice.asked == "auto" and choice.used in ("on", "off")
     # Two short-lived contexts measured "on" and "off"; then the long-lived ones.
     assert [p.flash_attn for p in contexts_made] == ["on", "off", choice.used, choice.used]
