@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from specdec_cli.llama import Context
 
 
+def verify_cost(verify: Mapping[int, float], n: int) -> float:
+    """verify[n], extrapolated past the largest batch measured (a tree can be wider than
+    any chain): each further token costs what the last measured one added."""
+    top = max(verify)
+    if n <= top:
+        return verify[n]
+    step = verify[top] - verify[top - 1] if top > 1 else verify[top]
+    return verify[top] + (n - top) * step
+
+
 def expected_tokens_per_pass(alpha: float, k: int) -> float:
     """Tokens one round yields when each draft token is accepted independently with
     probability alpha: 1 + alpha + ... + alpha^k (Leviathan et al. 2023, eq. 1)."""
@@ -42,7 +52,7 @@ def ideal_speedup(
     """Speedup a perfect implementation would reach on the rounds a run actually had:
     the same tokens, draft calls and verification batches, with no time spent outside
     llama.cpp. This is the bound a measured speedup is held against."""
-    cost = draft_calls * c + sum(verify[n] * rounds for n, rounds in batch_sizes.items())
+    cost = draft_calls * c + sum(verify_cost(verify, n) * r for n, r in batch_sizes.items())
     return tokens / cost if cost > 0 else 0.0
 
 

@@ -2,6 +2,8 @@
 
 Without a drafter the same loop is plain target-only decoding (every round drafts
 nothing and the target picks one token), which is the baseline for every comparison.
+A draft is a chain, or with a tree policy a tree: the same loop verifies both (a
+chain is the tree with one branch).
 """
 
 from __future__ import annotations
@@ -16,8 +18,14 @@ from specdec_cli.drafters import Draft, Drafter
 from specdec_cli.draftlength import DraftLength, FixedLength
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context
-from specdec_cli.sampling import SamplingParams, distribution, verify_greedy, verify_sampled
+from specdec_cli.sampling import (
+    SamplingParams,
+    distribution,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
 from specdec_cli.stats import Stats
+from specdec_cli.treeshape import TreePolicy
 
 NO_DRAFT = Draft()
 
@@ -40,12 +48,14 @@ class Decoder:
         sampling: SamplingParams,
         length: DraftLength | None = None,
         label: str = "0",
+        tree: TreePolicy | None = None,
     ) -> None:
         self.target = target
         self.drafter = drafter
         self.sampling = sampling
         self.length = length or FixedLength(0)
         self.label = label  # how the user named the draft length: "4", "auto"
+        self.tree = tree  # None: chains
 
     def generate(
         self,
@@ -104,24 +114,32 @@ class Decoder:
                 room = min(n_predict - n_new, target.n_ctx - len(tokens))
                 limit = min(room - 1, target.n_batch - len(unseen))
                 k = self.length.choose(limit) if drafter else 0
+                shape = self.tree.shape(k, limit) if self.tree and k > 0 else None
                 draft_start = _decode_seconds(draft_ctx)
-                draft = drafter.propose(tokens, k, rng, keep_drafting) if k > 0 else NO_DRAFT
+                draft = drafter.propose(tokens, k, rng, keep_drafting, shape) if k > 0 else NO_DRAFT
                 verify_start = target.decode_seconds
 
                 target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
+                # One pass over the unseen tokens and every draft token: row 0 of its
+                # logits follows the last unseen token, row j + 1 draft token j.
                 batch = [*unseen, *draft.tokens]
-                target.decode(batch, len(target.tokens), n_logits=len(draft.tokens) + 1)
-                n_accepted, next_token = self._verify(draft, rng, sampling)
-                # Keep the accepted drafts, drop the rejected ones.
-                target.rewind(len(tokens) + n_accepted)
+                parents = _batch_parents(len(unseen), draft.parents)
+                target.decode(batch, len(target.tokens), len(draft.tokens) + 1, parents)
+                path, next_token = self._verify(draft, rng, sampling)
+                n_accepted = len(path)
+                # Keep the accepted path, drop the rest (its last token is in batch place
+                # len(unseen) - 1 + path[-1] + 1; the last unseen one if nothing was).
+                target.keep_branch(len(unseen) + (path[-1] if path else -1))
                 if sampling.greedy:  # greedy text is the same whatever k: follow the clock
                     draft_seconds = _decode_seconds(draft_ctx) - draft_start
                     verify_seconds: float | None = target.decode_seconds - verify_start
                 else:  # k decides which random numbers go where: a seed must reproduce
                     draft_seconds = verify_seconds = None
                 self.length.observe(draft, n_accepted, draft_seconds, verify_seconds)
+                if self.tree:
+                    self.tree.observe(draft, path)
 
-                new = [*draft.tokens[:n_accepted], next_token]
+                new = [*(draft.tokens[i] for i in path), next_token]
                 eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)
                 if eog is not None:
                     new = new[:eog]
@@ -151,14 +169,25 @@ class Decoder:
 
     def _verify(
         self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams
-    ) -> tuple[int, int]:
-        """Row i of the target's logits follows the context plus draft[:i]."""
+    ) -> tuple[list[int], int]:
+        """The accepted path (draft indices) and the next token. Row 0 of the target's
+        logits follows the context, row j + 1 draft token j."""
         logits = self.target.logits
+        parents = draft.parent_list()
         if sampling.greedy:
-            return verify_greedy(draft.tokens, lambda i: int(np.argmax(logits(i))))
-        return verify_sampled(
-            draft.tokens, draft.dists, lambda i: distribution(logits(i), sampling), rng
+            return verify_tree_greedy(draft.tokens, parents, lambda i: int(np.argmax(logits(i))))
+        return verify_tree_sampled(
+            draft.tokens, parents, draft.dists, lambda i: distribution(logits(i), sampling), rng
         )
+
+
+def _batch_parents(n_unseen: int, parents: list[int] | None) -> list[int] | None:
+    """The tree of a verification batch (see Context.decode): the unseen tokens in a
+    row, then the draft's tree hanging from the last of them. None: all a chain."""
+    if parents is None:
+        return None
+    last = n_unseen - 1
+    return [*range(-1, last), *(last + 1 + p if p >= 0 else last for p in parents)]
 
 
 def _decode_seconds(ctx: Context | None) -> float:

@@ -3,6 +3,8 @@
 Every drafter answers `propose(tokens, k, rng)`: given the whole accepted sequence
 (prompt and output so far), up to k guesses for what comes next, with the
 distribution each guess was drawn from when sampling (the acceptance rule needs q).
+With a `shape` wider than a chain, the guesses form a tree: alternatives for the
+same position, all verified in one target pass.
 """
 
 from __future__ import annotations
@@ -14,16 +16,65 @@ from typing import Protocol
 import numpy as np
 
 from specdec_cli.llama import Context
-from specdec_cli.sampling import Dist, SamplingParams, distribution
+from specdec_cli.sampling import Dist, SamplingParams, distribution, top_k_ids
 
 
 @dataclass
 class Draft:
+    """Draft tokens; a tree when `parents` is given. Children of a node are tried in the
+    order of their indices, and parents come before children."""
+
     tokens: list[int] = field(default_factory=list)
     dists: list[Dist] = field(default_factory=list)  # q for each token; empty when greedy
     confidences: list[float] = field(default_factory=list)  # the draft's top probability
     calls: int = 0  # draft model decode calls it took
     source: str = ""
+    # Each token's parent (its index; -1: the last accepted token). None: a chain.
+    parents: list[int] | None = None
+
+    def parent_list(self) -> list[int]:
+        if self.parents is None:
+            return list(range(-1, len(self.tokens) - 1))
+        return self.parents
+
+    def primary_path(self) -> list[int]:
+        """The tokens down the first children: what a chain would have drafted."""
+        if self.parents is None:
+            return self.tokens
+        path, node = [], -1
+        for i, parent in enumerate(self.parents):
+            if parent == node:
+                path.append(self.tokens[i])
+                node = i
+        return path
+
+    @property
+    def depth(self) -> int:
+        """The longest path: what a chain of the same depth would be long."""
+        if self.parents is None:
+            return len(self.tokens)
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent < 0 else depths[parent] + 1)
+        return max(depths, default=0)
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """How one round's draft may grow. Depth d (from 0) adds children to the `width`
+    likeliest nodes of depth d-1, up to `branch` each; at most `nodes` tokens are kept,
+    the likeliest paths first (a node's score is the draft's probability of its whole
+    path). Side nodes (not first children) below `min_score` are not drafted. A chain:
+    nodes = k, width = branch = 1."""
+
+    nodes: int
+    width: int = 1
+    branch: int = 1
+    min_score: float = 0.0
+
+    @property
+    def is_chain(self) -> bool:
+        return self.branch == 1
 
 
 KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft confidence)
@@ -43,6 +94,7 @@ class Drafter(Protocol):
         k: int,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
     ) -> Draft: ...
 
 
@@ -91,7 +143,9 @@ class ModelDrafter:
         k: int,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
     ) -> Draft:
+        """Up to k tokens deep; a chain, or the tree `shape` allows."""
         n_keep = self._sync(tokens)
         pending = len(tokens) - n_keep
         if pending <= 2:
@@ -101,36 +155,53 @@ class ModelDrafter:
                 self.ctx.decode(tokens[pos : pos + 1], pos)
         else:  # catching up after a rewind or another drafter's round: one batch
             self.ctx.decode(tokens[n_keep:], n_keep)
-        draft = Draft(source=self.name, calls=pending if pending <= 2 else 1)
         if k > 1:
             self.ctx.checkpoint()  # the drafts it evaluates may be rejected
-        n_evaluated = 0  # draft tokens this context has seen: all but the last, usually
-        for i in range(k):
-            if i:
-                self.ctx.decode(draft.tokens[-1:], len(tokens) + i - 1)
-                draft.calls += 1
-                n_evaluated = i
-            logits = self.ctx.logits(-1)[: self.n_vocab]
-            if self.sampling.greedy:
-                token, q = int(np.argmax(logits)), None
-                # The top probability costs a pass over the vocabulary: only if asked.
-                confidence = self._top_probability(logits, token) if keep_drafting else 1.0
-            else:
-                q = distribution(logits, self.sampling)
-                # q's maximum, not q of the sampled token: whether to stop must not depend
-                # on which token is drawn, or the kept drafts would no longer follow q.
-                # With every filter off, q spans the vocabulary: only if asked.
-                confidence = float(q.probs.max()) if keep_drafting else 1.0
-                token = q.sample(rng)
-            if keep_drafting and not keep_drafting(i, confidence):
-                break
-            draft.tokens.append(token)
-            if keep_drafting:
-                draft.confidences.append(confidence)
-            if q is not None:
-                draft.dists.append(q)
-        self._n_cached, self._unchecked = len(tokens), draft.tokens[:n_evaluated]
+        growth = _Growth(self, len(tokens), shape or TreeShape(k), rng, keep_drafting)
+        draft = growth.grow(k)
+        draft.calls += pending if pending <= 2 else 1
+        # The draft tokens evaluated in sequence 0 (all of the chain but its last
+        # token, usually) stay cached: next round keeps those the target accepted.
+        self._n_cached, self._unchecked = len(tokens), self.ctx.tokens[len(tokens) :]
+        self.ctx.drop_branches()
         return draft
+
+    def children(
+        self, logits: np.ndarray, rng: np.random.Generator, n: int, need_confidence: bool
+    ) -> tuple[list[int], list[float], list[Dist | None]]:
+        """A node's children from the draft's logits after it: the drafted token first
+        (argmax, or sampled from q), then up to n-1 alternatives, likeliest first, with
+        the draft's probability of each (the first's: the draft's top probability, 1.0
+        when not needed) and what each was drawn from (None when greedy).
+
+        Alternatives are point masses: whether they are tried after a rejection is
+        decided by their draft probability, not drawn, and verification treats them so.
+        """
+        if self.sampling.greedy:
+            token = int(np.argmax(logits))
+            if n == 1 and not need_confidence:
+                return [token], [1.0], [None]
+            top = self._top_probability(logits, token)
+            others = [int(t) for t in _likeliest(logits, n) if t != token]
+            ids = [token, *others[: n - 1]]
+            probs = [top * float(np.exp(logits[t] - logits[token])) for t in ids]
+            return ids, probs, [None] * len(ids)
+        q = distribution(logits, self.sampling)
+        token = q.sample(rng)
+        # q's maximum, not q of the sampled token: whether to keep it must not depend on
+        # which token is drawn, or the kept drafts would no longer follow q. With every
+        # filter off, q spans the vocabulary: only if asked.
+        confidence = float(q.probs.max()) if need_confidence or n > 1 else 1.0
+        ids, probs, dists = [token], [confidence], [q]
+        if n > 1:
+            order = np.argsort(-q.probs, kind="stable")[:n]
+            for i in order:
+                other = int(q.ids[i])
+                if other != token and len(ids) < n:
+                    ids.append(other)
+                    probs.append(float(q.probs[i]))
+                    dists.append(Dist.point(other))
+        return ids, probs, dists
 
     def _top_probability(self, logits: np.ndarray, top: int) -> float:
         """softmax(logits)[top], computed in a buffer kept for the purpose, so that no
@@ -142,30 +213,161 @@ class ModelDrafter:
         return float(1.0 / self._scratch.sum())
 
 
+def _likeliest(logits: np.ndarray, n: int) -> np.ndarray:
+    """The ids of the n largest logits, largest first (lower id first among equals)."""
+    ids = top_k_ids(logits, n)
+    return ids[np.argsort(-logits[ids], kind="stable")]
+
+
+class _Growth:
+    """One round's draft tree, grown depth by depth by a draft model.
+
+    The first child of each node is the token a chain would have drafted there; the
+    path of first children from the root (the primary path) is what a chain is, and it
+    stays in the draft's sequence 0. Other nodes get branches of their own (sequences
+    forked from their parent's) when they are extended. At each depth the `width`
+    likeliest nodes (the primary one first) are evaluated in one decode call, which
+    gives their children. Finally the likeliest `nodes` are kept, the primary path
+    first: whether a sampled token is kept must not depend on which token it is, and
+    its score (its parent's times q's top probability) does not.
+    """
+
+    def __init__(
+        self,
+        drafter: ModelDrafter,
+        base: int,
+        shape: TreeShape,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None,
+    ) -> None:
+        self.drafter, self.ctx = drafter, drafter.ctx
+        self.base, self.shape, self.rng = base, shape, rng
+        self.keep_drafting = keep_drafting
+        self.draft = Draft(source=drafter.name, parents=[])
+        self.scores: list[float] = []
+        self.primary: list[bool] = []
+        self.seq_of = {-1: 0}  # the sequence of each evaluated node; -1: the root
+        self.n_seqs = 1
+
+    def grow(self, k: int) -> Draft:
+        frontier = [-1]
+        for depth in range(k):
+            if depth:
+                frontier = self._evaluate(frontier, depth)
+            rows = range(len(frontier)) if depth else [-1]
+            new: list[int] = []
+            for row, node in zip(rows, frontier, strict=True):
+                logits = self.ctx.logits(row)[: self.drafter.n_vocab]
+                new += self._add_children(node, logits, depth)
+            frontier = self._likeliest(new, self.shape.width)
+            if not frontier:
+                break
+        return self._kept()
+
+    def _add_children(self, node: int, logits: np.ndarray, depth: int) -> list[int]:
+        shape, draft = self.shape, self.draft
+        on_primary = node < 0 or self.primary[node]
+        parent_score = self.scores[node] if node >= 0 else 1.0
+        need_confidence = self.keep_drafting is not None
+        ids, probs, dists = self.drafter.children(logits, self.rng, shape.branch, need_confidence)
+        if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
+            return []
+        added = []
+        for i, (token, prob, dist) in enumerate(zip(ids, probs, dists, strict=True)):
+            score = parent_score * prob
+            primary = on_primary and i == 0
+            if not primary and score < shape.min_score:
+                continue
+            added.append(len(draft.tokens))
+            draft.tokens.append(token)
+            draft.parents.append(node)  # type: ignore[union-attr]
+            if dist is not None:
+                draft.dists.append(dist)
+            if need_confidence:
+                draft.confidences.append(prob)
+            self.scores.append(score)
+            self.primary.append(primary)
+        return added
+
+    def _likeliest(self, nodes: list[int], n: int) -> list[int]:
+        """The n likeliest of `nodes`, the primary one first, then in index order."""
+        ranked = sorted(nodes, key=lambda i: (not self.primary[i], -self.scores[i], i))
+        return sorted(ranked[:n])
+
+    def _evaluate(self, frontier: list[int], depth: int) -> list[int]:
+        """One decode call over the frontier's nodes (all at `depth`), each in its own
+        branch; returns the nodes evaluated (not those the context had no branch for)."""
+        pos = self.base + depth - 1
+        nodes, seqs, extended = [], [], set()
+        for node in frontier:
+            seq = self.seq_of[self.draft.parents[node]]  # type: ignore[index]
+            if seq in extended:  # a sibling went on in the parent's sequence
+                if self.n_seqs >= self.ctx.n_seq_max:
+                    continue
+                self.ctx.fork(seq, self.n_seqs, pos)
+                seq, self.n_seqs = self.n_seqs, self.n_seqs + 1
+            extended.add(seq)
+            self.seq_of[node] = seq
+            nodes.append(node)
+            seqs.append(seq)
+        self.ctx.decode_branches([self.draft.tokens[i] for i in nodes], [pos] * len(nodes), seqs)
+        self.draft.calls += 1
+        return nodes
+
+    def _kept(self) -> Draft:
+        """The draft cut to the likeliest `nodes` tokens, the primary path first."""
+        draft, n = self.draft, len(self.draft.tokens)
+        if self.shape.is_chain:
+            draft.parents = None
+            return draft
+        keep = sorted(
+            sorted(range(n), key=lambda i: (not self.primary[i], -self.scores[i], i))[
+                : self.shape.nodes
+            ]
+        )
+        index = {old: new for new, old in enumerate(keep)}
+        index[-1] = -1
+        parents = [index[(draft.parents or [])[i]] for i in keep]
+        return Draft(
+            tokens=[draft.tokens[i] for i in keep],
+            dists=[draft.dists[i] for i in keep] if draft.dists else [],
+            confidences=[draft.confidences[i] for i in keep] if draft.confidences else [],
+            calls=draft.calls,
+            source=draft.source,
+            parents=None if parents == list(range(-1, len(keep) - 1)) else parents,
+        )
+
+
 class NgramDrafter:
     """Prompt lookup: if the last n tokens occurred before, guess that what followed
-    them then follows them now. Longest n first. A point-mass proposal: q(x) = 1."""
+    them then follows them now. Longest n first. A point-mass proposal: q(x) = 1.
+    With a tree shape, the continuations of its latest `shape.branch` occurrences are
+    the branches (those that begin alike share their start), the latest first."""
 
     name = "ngram"
     ctx = None
+    OCCURRENCES = 8  # the most occurrences of an n-gram remembered (the latest)
 
     def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max
         self.greedy = greedy
-        # n-gram -> end index of its latest occurrence
-        self._last_end: dict[tuple[int, ...], int] = {}
-        self._indexed = 0  # n-grams ending before this index are in _last_end
+        # n-gram -> end indices of its latest occurrences, the latest last
+        self._ends: dict[tuple[int, ...], list[int]] = {}
+        self._indexed = 0  # n-grams ending before this index are in _ends
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         if sampling is not None:
             self.greedy = sampling.greedy
-        self._last_end = {}
+        self._ends = {}
         self._indexed = 0
 
     def _index(self, tokens: list[int], upto: int) -> None:
         for end in range(self._indexed, upto):
             for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                self._last_end[tuple(tokens[end - n + 1 : end + 1])] = end
+                ends = self._ends.setdefault(tuple(tokens[end - n + 1 : end + 1]), [])
+                ends.append(end)
+                if len(ends) > self.OCCURRENCES:
+                    del ends[0]
         self._indexed = max(self._indexed, upto)
 
     def propose(
@@ -174,19 +376,44 @@ class NgramDrafter:
         k: int,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
     ) -> Draft:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
         draft = Draft(source=self.name)
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            end = self._last_end.get(tuple(tokens[-n:]))
-            if end is not None:
-                draft.tokens = tokens[end + 1 : end + 1 + k]
+            ends = self._ends.get(tuple(tokens[-n:]))
+            if ends:
+                if shape is None or shape.is_chain:
+                    draft.tokens = tokens[ends[-1] + 1 : ends[-1] + 1 + k]
+                else:
+                    continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
+                    _merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
                 break
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
         return draft
+
+
+def _merge_into_tree(draft: Draft, continuations: list[list[int]], n_max: int) -> None:
+    """The continuations as one tree (a trie: a shared start is one path), in order, up
+    to n_max tokens. One continuation, or several alike, stay a chain."""
+    parents: list[int] = []
+    node_of: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for continuation in continuations:
+        parent = -1
+        for token in continuation:
+            node = node_of.get((parent, token))
+            if node is None:
+                if len(draft.tokens) >= n_max:
+                    break
+                node = node_of[parent, token] = len(draft.tokens)
+                draft.tokens.append(token)
+                parents.append(parent)
+            parent = node
+    if parents != list(range(-1, len(parents) - 1)):
+        draft.parents = parents
 
 
 class LookupThenModel:
@@ -232,13 +459,14 @@ class LookupThenModel:
         k: int,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
     ) -> Draft:
         self._score(tokens)
-        guess = self.lookup.propose(tokens, k, rng)
+        guess = self.lookup.propose(tokens, k, rng, shape=shape)
         if guess.tokens:
-            self._guesses.append((self.lookup.name, len(tokens), guess.tokens))
+            self._guesses.append((self.lookup.name, len(tokens), guess.primary_path()))
             if self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]:
                 return guess
-        draft = self.model.propose(tokens, k, rng, keep_drafting)
-        self._guesses.append((self.model.name, len(tokens), draft.tokens))
+        draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
+        self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
         return draft

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specdec_cli.costmodel import Costs
+from specdec_cli.costmodel import Costs, verify_cost
 from specdec_cli.drafters import Draft
 
 
@@ -164,7 +164,7 @@ class AutoLength:
         self.weight = [0.0] * self.k_max  # how recent the evidence behind each estimate is
         self.tested = [0] * self.k_max  # rounds that tested each position
         self.rate = 1.0 / t  # tokens per second; target-only to start
-        self._last_k = -1  # the last draft's length, as drafted
+        self._last_batch = -1  # the last verification's batch size
         self._idle = 0  # rounds without a draft since the last probe
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
         self._probing = False
@@ -279,10 +279,11 @@ class AutoLength:
         draft_seconds: float | None,
         verify_seconds: float | None,
     ) -> None:
-        n = len(draft.tokens)
+        # A tree's depth is the chain length it stands for; its batch is all its nodes.
+        n, batch = draft.depth, len(draft.tokens) + 1
         if draft_seconds is None or verify_seconds is None:  # untimed: the modelled costs
             draft_seconds = draft.calls * self.draft_seconds
-            verify_seconds = self.verify[n + 1] * self.target_seconds
+            verify_seconds = verify_cost(self.verify, batch) * self.target_seconds
         learn = 1.0 - self.decay
         # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
         # a tenth of the rate, so that one noisy round does not move them much.
@@ -290,15 +291,16 @@ class AutoLength:
         self.rate += learn * ((accepted + 1) / (draft_seconds + verify_seconds) - self.rate)
         if draft.calls:
             self.draft_seconds += slow * (draft_seconds / draft.calls - self.draft_seconds)
-        if n == self._last_k:  # a pass at a new batch size also pays a graph rebuild
-            per_token = verify_seconds / self.verify[n + 1]
+        if batch == self._last_batch:  # a pass at a new batch size also pays a rebuild
+            per_token = verify_seconds / verify_cost(self.verify, batch)
             self.target_seconds += slow * (per_token - self.target_seconds)
-        self._last_k = n
+        self._last_batch = batch
         self._after_probe(n, accepted)
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)
-        for i, confidence in enumerate(draft.confidences[:tested]):
-            self.calibration.record(confidence, i < accepted)
+        if draft.parents is None:  # a tree's confidences are per node, not position
+            for i, confidence in enumerate(draft.confidences[:tested]):
+                self.calibration.record(confidence, i < accepted)
         for i in range(self.k_max):
             if i < tested:
                 hit = 1.0 if i < accepted else 0.0

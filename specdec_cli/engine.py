@@ -25,15 +25,25 @@ from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Context, ContextParams, Model, ModelParams, init_backend
+from specdec_cli.llama import (
+    LLAMA_MAX_SEQ,
+    Context,
+    ContextParams,
+    Model,
+    ModelParams,
+    init_backend,
+)
 from specdec_cli.machine import physical_cores
 from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import FlashAttnChoice, Stats
 from specdec_cli.textstream import TextStream
+from specdec_cli.treeshape import MAX_WIDTH, AutoTree, FixedTree, TreePolicy
 
 DEFAULT_MAX_CTX = 4096
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
+# The most draft tokens --tree auto verifies in one round.
+AUTO_TREE_NODES = 32
 # Where -fa auto compares flash attention on and off: a few hundred tokens in, where
 # attention's share of a decode starts to show (at most half the context).
 FLASH_ATTN_POSITION = 256
@@ -49,6 +59,7 @@ class DraftOptions:
     p_min: float = 0.0
     ngram_min: int = 1
     ngram_max: int = 4
+    tree: str = "off"  # "off" (chains), "auto", or at most N tokens a round (see treeshape)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,24 @@ def offload_warning(options: EngineOptions, can_offload: bool) -> str | None:
     )
 
 
+def parse_tree(tree: str) -> int | None:
+    """--tree: the most tokens a round's draft tree may hold (AUTO_TREE_NODES for
+    "auto"), or None for "off" (chains)."""
+    if tree == "off":
+        return None
+    if tree == "auto":
+        return AUTO_TREE_NODES
+    try:
+        value = int(tree)
+    except ValueError:
+        value = 0
+    if value < 2:
+        raise UserError(
+            f"--tree must be 'off', 'auto' or a number of draft tokens of at least 2 (got {tree!r})"
+        )
+    return value
+
+
 def parse_k(k: str) -> int | None:
     """A draft length: a positive integer, or None for "auto"."""
     if k == "auto":
@@ -167,26 +196,53 @@ class Engine:
         threads = options.threads or physical_cores()
         # Before the contexts: their flash attention setting is fixed when they are made.
         self.flash_attn = self._choose_flash_attn(n_ctx, threads)
-        target_params = self._context_params(n_ctx, threads, n_rs_seq=self._longest_draft())
+        draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
+        self.tree_nodes = self._tree_nodes(draft_model)
+        # A tree's leaves are the target's sequences; the draft needs one per node it
+        # extends (see drafters._Growth).
+        target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
+        draft_seqs = min(LLAMA_MAX_SEQ, MAX_WIDTH * self._longest_draft() + 1)
+        target_params = self._context_params(
+            n_ctx, threads, n_rs_seq=self._longest_draft(), n_seq_max=target_seqs
+        )
         self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
         self._costs: Costs | None = None
-        if draft_path:
-            draft_model = self._own(Model(draft_path, draft_params))
+        if draft_model:
             # The draft must be able to hold the same sequence as the target.
             context_params = self._context_params(
-                self.target.n_ctx, options.threads_draft or threads
+                self.target.n_ctx,
+                options.threads_draft or threads,
+                n_seq_max=draft_seqs if self.tree_nodes else 1,
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         self.decoder = self.make_decoder(
             drafter_kind(draft_path is not None, options.ngram), options.drafting.k
         )
 
-    def _context_params(self, n_ctx: int, threads: int, n_rs_seq: int = 0) -> ContextParams:
+    def _context_params(
+        self, n_ctx: int, threads: int, n_rs_seq: int = 0, n_seq_max: int = 1
+    ) -> ContextParams:
         o = self.options
         return ContextParams(
-            n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq=n_rs_seq
+            n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max
         )
+
+    def _tree_nodes(self, draft_model: Model | None) -> int:
+        """The most tokens a draft tree may hold (0: chains only). A recurrent model
+        keeps one state per sequence, not per branch: it drafts and verifies chains."""
+        tree = self.options.drafting.tree
+        nodes = parse_tree(tree) or 0
+        recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
+        if nodes and recurrent:
+            if tree != "auto":
+                raise UserError(
+                    f"--tree {tree}: {recurrent[0]} is recurrent and cannot verify or draft "
+                    "a tree (its state is one per sequence); use --tree off"
+                )
+            self.warnings.append(f"--tree auto: {recurrent[0]} is recurrent, drafting chains")
+            return 0
+        return min(nodes, self.options.n_batch - 1)
 
     def _longest_draft(self) -> int:
         """The most draft tokens one round can verify, within one decode call."""
@@ -198,11 +254,12 @@ class Engine:
         self._owned.append(obj)
         return obj
 
-    def make_decoder(self, kind: str | None, k: str) -> Decoder:
+    def make_decoder(self, kind: str | None, k: str, tree: str | None = None) -> Decoder:
         """A decoder drafting with `kind` ("model", "ngram", "model+ngram", or None for
-        target-only) and draft length k (a number or "auto"). All decoders share the
-        loaded models."""
+        target-only), draft length k (a number or "auto") and `tree` ("off", "auto" or
+        a number of tokens; None: the options'). All decoders share the loaded models."""
         d, sampling = self.options.drafting, self.options.sampling
+        tree = d.tree if tree is None else tree
         if kind is None:
             return Decoder(self.target, None, sampling)
         lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
@@ -230,14 +287,32 @@ class Engine:
             )
         else:
             length = FixedLength(n, d.p_min)
-        return Decoder(self.target, drafter, sampling, length, label=k)
+        return Decoder(
+            self.target, drafter, sampling, length, label=k, tree=self._tree_policy(tree, kind)
+        )
+
+    def _tree_policy(self, tree: str, kind: str) -> TreePolicy | None:
+        nodes = parse_tree(tree)
+        if nodes is None or not self.tree_nodes:
+            return None
+        if tree == "auto":
+            costs = self.costs()
+            if kind == "ngram":  # a lookup costs next to nothing
+                costs = replace(costs, draft_over_target=0.0)
+            return AutoTree(costs, min(nodes, self.tree_nodes))
+        if nodes > self.tree_nodes:
+            raise UserError(
+                f"--tree {tree} is wider than this engine was made for ({self.tree_nodes})"
+            )
+        return FixedTree(nodes)
 
     def costs(self) -> Costs:
         """The draft's and the target's measured costs, for -k auto: measured once per
         models and settings, and kept on disk (see costcache)."""
         if self._costs is None:
             # A batch must fit in the context after the measuring position.
-            top = min(self.options.drafting.draft_max + 1, self.target.n_ctx // 2)
+            widest = max(self.options.drafting.draft_max, self.tree_nodes)
+            top = min(widest + 1, self.target.n_ctx // 2)
             # Every size up to 5, where k mostly settles (their costs are uneven: 2
             # tokens can cost less than 1); beyond, sizes double up to the largest, and
             # those in between are interpolated.

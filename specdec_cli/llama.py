@@ -26,7 +26,8 @@ FLASH_ATTN = {
     "off": llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED,
 }
 
-_SEQ = 0  # specdec decodes one sequence per context
+LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequences in one context (llama-cparams.h)
+_SEQ = 0  # the accepted sequence; tree drafting adds branches beside it for one round
 
 
 @llama_cpp.llama_log_callback
@@ -239,17 +240,28 @@ class ContextParams:
     # Recurrent models: how many tokens of the last decode call llama.cpp keeps state
     # snapshots for, so that trim can drop them without a checkpoint (where supported).
     n_rs_seq: int = 0
+    # Sequences held at once: 1, or the branches of a draft tree (the KV cache is then
+    # unified, so branches share the cells of the accepted tokens instead of copying them).
+    n_seq_max: int = 1
 
 
 class Context:
-    """One model's inference state: its memory holds a single token sequence.
+    """One model's inference state: its memory holds the accepted token sequence, and
+    for one round at a time the branches of a draft tree.
 
-    `decode` is the only way tokens enter the memory; `trim` is the only way they leave.
-    Attention caches drop any suffix. A recurrent state (Mamba, RWKV, the recurrent
-    layers of hybrids) cannot be cut back: `checkpoint` saves it first, and `trim`
-    restores that copy and evaluates again the tokens kept after it. Time spent inside
-    llama.cpp's decode is summed in `decode_seconds`, so callers can tell the engine's
-    cost from their own.
+    `decode` is the only way tokens enter the memory; `rewind` and `keep_branch` are
+    the ways they leave. Attention caches drop any suffix. A recurrent state (Mamba,
+    RWKV, the recurrent layers of hybrids) cannot be cut back: `checkpoint` saves it
+    first, and `trim` restores that copy and evaluates again the tokens kept after it.
+    Time spent inside llama.cpp's decode is summed in `decode_seconds`, so callers can
+    tell the engine's cost from their own.
+
+    Trees: a token of the accepted sequence is in sequence 0. A tree's branches are
+    sequences 1, 2, ... that share those cells (a unified KV cache); each tree token
+    carries the ids of every branch through it, and llama.cpp lets it attend only to
+    cells of its own branch. After verification, `keep_branch` turns the accepted path
+    back into sequence 0 and drops everything else, as llama.cpp's examples/speculative
+    does with llama_memory_seq_keep / seq_cp.
     """
 
     def __init__(self, model: Model, params: ContextParams) -> None:
@@ -257,7 +269,8 @@ class Context:
         cparams.n_ctx = params.n_ctx
         cparams.n_batch = min(params.n_batch, params.n_ctx)
         cparams.n_ubatch = min(params.n_ubatch, cparams.n_batch)
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = params.n_seq_max
+        cparams.kv_unified = params.n_seq_max > 1
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
         cparams.flash_attn_type = FLASH_ATTN[params.flash_attn]
@@ -274,66 +287,168 @@ class Context:
         # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
         self.n_batch: int = cparams.n_batch
+        self.n_seq_max: int = params.n_seq_max
         self.threads: int = params.n_threads
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self.ptr) if self.recurrent else 0
         self.memory = llama_cpp.llama_get_memory(self.ptr)
         self.decode_seconds = 0.0
         self.decode_calls = 0
-        self.tokens: list[int] = []  # what the memory holds, by position
+        self.tokens: list[int] = []  # what sequence 0 holds, by position
         self._last_call_start = 0  # position of the first token of the last decode call
         self._first_logit = 0  # place in that call's batch of the first token with logits
         self._checkpoint = _Checkpoint()
-        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        # Every token belongs to sequence 0: set that once, then fill the batch through
-        # numpy views of its arrays instead of element by element through ctypes.
-        for i in range(self.n_batch):
-            self._batch.n_seq_id[i] = 1
-            self._batch.seq_id[i][0] = _SEQ
-        self._tokens = np.ctypeslib.as_array(self._batch.token, shape=(self.n_batch,))
-        self._pos = np.ctypeslib.as_array(self._batch.pos, shape=(self.n_batch,))
-        self._want = np.ctypeslib.as_array(self._batch.logits, shape=(self.n_batch,))
-        self._offsets = np.arange(self.n_batch, dtype=self._pos.dtype)  # 0, 1, 2, ...
+        self._batch = _Batch(self.n_batch, params.n_seq_max)
+        self._offsets = np.arange(self.n_batch, dtype=np.int32)  # 0, 1, 2, ...
+        self._tree: _Tree | None = None  # the last decode's tree, until keep_branch
+        self._branches = 0  # sequences besides 0 that may hold cells
         self._row_type = ctypes.c_float * model.n_vocab
 
     def close(self) -> None:
         if self.ptr:
-            llama_cpp.llama_batch_free(self._batch)
             llama_cpp.llama_free(self.ptr)
             self.ptr = None
 
-    def decode(self, tokens: Sequence[int], pos: int, n_logits: int = 1) -> None:
+    def decode(
+        self,
+        tokens: Sequence[int],
+        pos: int,
+        n_logits: int = 1,
+        parents: Sequence[int] | None = None,
+    ) -> None:
         """Evaluate `tokens` at positions pos, pos+1, ...; keep logits for the last
         `n_logits` of them. Long inputs go in n_batch chunks: only rows of the last
-        chunk stay readable."""
+        chunk stay readable.
+
+        `parents` makes the tokens a tree (one decode call): token i follows token
+        parents[i] of this call (-1: the token before `pos`), at the position after its
+        parent's. Without it, each token follows the one before: a chain, the tree with
+        one branch.
+        """
         if pos != len(self.tokens):
             raise RuntimeError(
                 f"{self.model.path.name}: decoding at position {pos}, but the memory holds "
                 f"{len(self.tokens)} tokens"
             )
+        self.drop_branches()
+        if parents is not None:
+            self._decode_tree(tokens, parents, pos, n_logits)
+            return
+        b = self._batch
         first_wanted = len(tokens) - n_logits
         for start in range(0, len(tokens), self.n_batch):
             chunk = tokens[start : start + self.n_batch]
             n = len(chunk)
-            self._tokens[:n] = chunk
-            np.add(self._offsets[:n], pos + start, out=self._pos[:n])
-            np.greater_equal(self._offsets[:n], first_wanted - start, out=self._want[:n])
-            self._batch.n_tokens = n
-            t0 = time.perf_counter()
-            status = llama_cpp.llama_decode(self.ptr, self._batch)
-            # Wait for the results here, so that decode_seconds (and llama.cpp's own
-            # clock, which stops at a synchronize) covers this call and nothing else.
-            llama_cpp.llama_synchronize(self.ptr)
-            self.decode_seconds += time.perf_counter() - t0
-            self.decode_calls += 1
-            if status != 0:
-                raise RuntimeError(
-                    f"{self.model.path.name}: llama_decode failed with status {status} "
-                    f"at position {pos + start}"
-                )
-            self._last_call_start = pos + start
+            b.token[:n] = chunk
+            np.add(self._offsets[:n], pos + start, out=b.pos[:n])
+            np.greater_equal(self._offsets[:n], first_wanted - start, out=b.logits[:n])
+            self._run(n, pos + start)
             self._first_logit = max(0, first_wanted - start)
             self.tokens.extend(chunk)
+
+    def _decode_tree(
+        self, tokens: Sequence[int], parents: Sequence[int], pos: int, n_logits: int
+    ) -> None:
+        """One decode call of a tree: see decode. Sequence 0 goes down the first child
+        of every token (the path a chain would have taken); each other leaf's branch is
+        a sequence of its own, given the cells of the accepted tokens first."""
+        if self.recurrent:
+            raise RuntimeError(f"{self.model.path.name} is recurrent: it cannot verify a tree")
+        tree = _Tree(tokens, parents)
+        n = len(tokens)
+        if n > self.n_batch or tree.n_branches > self.n_seq_max:
+            raise RuntimeError(
+                f"a tree of {n} tokens and {tree.n_branches} branches does not fit one "
+                f"decode call of {self.model.path.name} ({self.n_batch} tokens, "
+                f"{self.n_seq_max} sequences)"
+            )
+        for seq in range(1, tree.n_branches):
+            llama_cpp.llama_memory_seq_cp(self.memory, _SEQ, seq, -1, -1)
+        self._branches = tree.n_branches - 1
+        b = self._batch
+        b.token[:n] = tokens
+        np.add(tree.depths, pos - 1, out=b.pos[:n])
+        np.greater_equal(self._offsets[:n], n - n_logits, out=b.logits[:n])
+        b.set_sequences(tree.sequences)
+        try:
+            self._run(n, pos)
+        finally:
+            b.reset_sequences(n)
+        self._first_logit = n - n_logits
+        self._tree = tree
+        self.tokens.extend(tree.path_tokens(tree.primary_leaf))
+
+    def _run(self, n: int, pos: int) -> None:
+        """llama_decode the first n tokens of the batch (the first at position `pos`)."""
+        self._batch.struct.n_tokens = n
+        t0 = time.perf_counter()
+        status = llama_cpp.llama_decode(self.ptr, self._batch.struct)
+        # Wait for the results here, so that decode_seconds (and llama.cpp's own
+        # clock, which stops at a synchronize) covers this call and nothing else.
+        llama_cpp.llama_synchronize(self.ptr)
+        self.decode_seconds += time.perf_counter() - t0
+        self.decode_calls += 1
+        if status != 0:
+            raise RuntimeError(
+                f"{self.model.path.name}: llama_decode failed with status {status} "
+                f"at position {pos}"
+            )
+        self._last_call_start = pos
+        self._tree = None
+
+    def decode_branches(
+        self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]
+    ) -> None:
+        """Evaluate token i at positions[i] in sequence seqs[i], with logits for every
+        token (row i is token i's): how a draft grows its tree, one depth per call.
+        Tokens of sequence 0 extend the accepted sequence's memory, in order; other
+        sequences are branches (see fork), dropped by drop_branches."""
+        n = len(tokens)
+        b = self._batch
+        b.token[:n] = tokens
+        b.pos[:n] = positions
+        b.logits[:n] = 1
+        b.seq_id[:n, 0] = seqs
+        try:
+            self._run(n, int(b.pos[0]))
+        finally:
+            b.seq_id[:n, 0] = _SEQ
+        self._first_logit = 0
+        self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == _SEQ)
+
+    def fork(self, source: int, seq: int, n_tokens: int) -> None:
+        """Make branch `seq` hold the first n_tokens positions of sequence `source`
+        (sharing their cells): the start of a branch that leaves `source` there."""
+        if self.recurrent or not 0 < seq < self.n_seq_max:
+            raise RuntimeError(f"{self.model.path.name} cannot hold a branch {seq}")
+        llama_cpp.llama_memory_seq_cp(self.memory, source, seq, -1, n_tokens)
+        self._branches = max(self._branches, seq)
+
+    def drop_branches(self) -> None:
+        """Forget every branch, keeping sequence 0 alone."""
+        if self._branches:
+            llama_cpp.llama_memory_seq_keep(self.memory, _SEQ)
+            self._branches = 0
+        self._tree = None
+
+    def keep_branch(self, index: int) -> None:
+        """After a decode call: keep its tokens on the path that ends with its token
+        `index` (that token and its ancestors), forget the call's other tokens. For a
+        chain, the same as rewind to the end of that path."""
+        tree = self._tree
+        if tree is None:
+            self.rewind(self._last_call_start + index + 1)
+            return
+        seq = tree.sequences[index][0]  # a branch through `index`
+        n_keep = self._last_call_start + int(tree.depths[index])
+        if seq != _SEQ:
+            # That branch becomes sequence 0, as in llama.cpp's examples/speculative.
+            llama_cpp.llama_memory_seq_keep(self.memory, seq)
+            llama_cpp.llama_memory_seq_cp(self.memory, seq, _SEQ, -1, -1)
+            del self.tokens[self._last_call_start :]
+            self.tokens.extend(tree.path_tokens(tree.leaves[seq]))
+        self.drop_branches()
+        self.rewind(n_keep)
 
     def logits(self, i: int) -> np.ndarray:
         """Row i of the last decode's logits (i counts the tokens that asked for logits;
@@ -361,6 +476,7 @@ class Context:
         """Forget every token at position >= n_keep, or, for a recurrent state, go back
         to the checkpoint at or before n_keep. Returns how many tokens the memory holds:
         the caller evaluates the rest again, with the next tokens it has to decode."""
+        self.drop_branches()
         if len(self.tokens) <= n_keep:
             return len(self.tokens)
         if n_keep > 0 and self.recurrent and not self._within_snapshots(n_keep):
@@ -412,6 +528,85 @@ class Context:
         """llama.cpp's own clock of its decode calls (from decode to results), summed."""
         data = llama_cpp.llama_perf_context(self.ptr)
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
+
+
+class _Batch:
+    """A llama_batch over numpy arrays allocated once: filled by vectorised writes, not
+    element by element through ctypes. Row i of `seq_id` holds token i's sequence ids
+    (`n_seq_id[i]` of them); outside a tree every token is in sequence 0 alone."""
+
+    def __init__(self, n_tokens: int, n_seq_max: int) -> None:
+        self.token = np.zeros(n_tokens, np.int32)
+        self.pos = np.zeros(n_tokens, np.int32)
+        self.n_seq_id = np.ones(n_tokens, np.int32)
+        self.seq_id = np.zeros((n_tokens, n_seq_max), np.int32)
+        self.logits = np.zeros(n_tokens, np.int8)
+        int_p = ctypes.POINTER(ctypes.c_int32)
+        self._rows = (int_p * n_tokens)(*(row.ctypes.data_as(int_p) for row in self.seq_id))
+        self.struct = llama_cpp.llama_batch(
+            n_tokens=0,
+            token=self.token.ctypes.data_as(int_p),
+            embd=None,
+            pos=self.pos.ctypes.data_as(int_p),
+            n_seq_id=self.n_seq_id.ctypes.data_as(int_p),
+            seq_id=self._rows,
+            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def set_sequences(self, sequences: Sequence[Sequence[int]]) -> None:
+        for i, seqs in enumerate(sequences):
+            self.n_seq_id[i] = len(seqs)
+            self.seq_id[i, : len(seqs)] = seqs
+
+    def reset_sequences(self, n: int) -> None:
+        self.n_seq_id[:n] = 1
+        self.seq_id[:n, 0] = _SEQ
+
+
+class _Tree:
+    """A tree of tokens in one decode call, laid out for llama.cpp: each token's depth
+    (1: a child of the token before the call) and the sequences through it, one per
+    leaf. The first leaf met going down first children is sequence 0, so a chain is
+    sequence 0 alone. A token's first sequence id is one of its own branch: llama.cpp
+    masks attention by that one."""
+
+    def __init__(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
+        n = len(tokens)
+        self.tokens, self.parents = list(tokens), list(parents)
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # [n]: the root's
+        depths = np.zeros(n, np.int32)
+        for i, parent in enumerate(parents):
+            if not -1 <= parent < i:
+                raise ValueError(f"tree token {i} has parent {parent}: parents come first")
+            children[parent].append(i)
+            depths[i] = 1 if parent < 0 else depths[parent] + 1
+        self.depths = depths
+        # Leaves in depth-first order, first children first: the first is the primary.
+        self.leaves: list[int] = []
+        stack = children[-1][::-1]
+        while stack:
+            i = stack.pop()
+            if children[i]:
+                stack.extend(children[i][::-1])
+            else:
+                self.leaves.append(i)
+        self.primary_leaf = self.leaves[0] if self.leaves else -1
+        self.n_branches = len(self.leaves)
+        self.sequences: list[list[int]] = [[] for _ in range(n)]
+        for seq, leaf in enumerate(self.leaves):
+            for i in self.path(leaf):
+                self.sequences[i].append(seq)
+
+    def path(self, i: int) -> list[int]:
+        """The tokens from the first depth down to token i (indices)."""
+        path = []
+        while i >= 0:
+            path.append(i)
+            i = self.parents[i]
+        return path[::-1]
+
+    def path_tokens(self, i: int) -> list[int]:
+        return [self.tokens[j] for j in self.path(i)]
 
 
 class _Checkpoint:

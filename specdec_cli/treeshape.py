@@ -1,0 +1,115 @@
+"""How wide each round's draft tree grows. The chain down its middle (how deep to
+draft) is draftlength's choice; a tree policy adds the alternatives worth verifying
+beside it, or none (None: the round drafts a chain).
+
+A tree pays where verifying more tokens costs little more than verifying few (GPUs,
+CPUs with spare compute): each extra node is one more token in the same target pass,
+and it is accepted when the draft's first choice was wrong and this one right.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from specdec_cli.costmodel import Costs, verify_cost
+from specdec_cli.drafters import Draft, TreeShape
+
+MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
+
+
+class TreePolicy(Protocol):
+    def shape(self, k: int, limit: int) -> TreeShape | None:
+        """The shape of a round drafting k deep with room for `limit` tokens."""
+        ...
+
+    def observe(self, draft: Draft, path: list[int]) -> None:
+        """What the target accepted of the draft: the nodes of the accepted path."""
+        ...
+
+
+def spread(nodes: int, k: int) -> int:
+    """Width and branching for `nodes` tokens about k deep: enough alternatives per
+    depth to spend the nodes on, at least 2 (a tree), at most MAX_WIDTH."""
+    return max(2, min(MAX_WIDTH, nodes // max(1, k)))
+
+
+class FixedTree:
+    """--tree N: up to N nodes every round, the likeliest paths first."""
+
+    def __init__(self, nodes: int) -> None:
+        self.nodes = nodes
+
+    def shape(self, k: int, limit: int) -> TreeShape | None:
+        nodes = min(self.nodes, limit)
+        if nodes <= k:
+            return None
+        width = spread(nodes, k)
+        return TreeShape(nodes, width, width)
+
+    def observe(self, draft: Draft, path: list[int]) -> None:
+        pass
+
+
+class AutoTree:
+    """--tree auto: a node beside the chain is drafted only when it adds more expected
+    tokens than its verification costs at the running rate.
+
+    Tokens per unit of cost (one target token's time) of the rounds so far, R, come
+    from the measured costs, not the clock, so that a seed reproduces its text. A node
+    whose path the draft gives probability s (times how often such alternatives have
+    been right against the draft's own odds) adds s tokens to a round and costs the
+    verification of one more token, dv; it is worth it if s > R * dv, counting a
+    compute graph rebuild too (the batch size changes). Where verification cost grows
+    steeply with the batch (this kind of CPU), that bar is high and rounds stay chains.
+    """
+
+    DECAY = 0.93  # per round, for the running rate and the calibration
+
+    def __init__(self, costs: Costs, max_nodes: int) -> None:
+        self.costs = costs
+        self.max_nodes = max_nodes
+        self.rate = 1.0  # tokens per unit of cost: target-only to start
+        self.hits = self.expected = 1.0  # side nodes right, and as the draft expected
+
+    def min_score(self, k: int) -> float:
+        """The smallest path probability a side node needs to pay for itself."""
+        verify = self.costs.verify
+        extra = verify_cost(verify, k + 2) - verify_cost(verify, k + 1) + self.costs.switch
+        return self.rate * max(extra, 0.0) * self.expected / self.hits
+
+    def shape(self, k: int, limit: int) -> TreeShape | None:
+        nodes = min(self.max_nodes, limit)
+        bar = self.min_score(k)
+        if nodes <= k or bar >= 1.0:
+            return None
+        return TreeShape(nodes, MAX_WIDTH, MAX_WIDTH, min_score=bar)
+
+    def observe(self, draft: Draft, path: list[int]) -> None:
+        if not draft.tokens:
+            return
+        costs, batch = self.costs, len(draft.tokens) + 1
+        cost = draft.calls * costs.draft_over_target + verify_cost(costs.verify, batch)
+        self.rate += (1.0 - self.DECAY) * ((len(path) + 1) / cost - self.rate)
+        if draft.parents is None or not draft.confidences:
+            return
+        for node, hit in tried_side_nodes(draft.parents, path):
+            self.hits = self.DECAY * self.hits + hit
+            self.expected = self.DECAY * self.expected + draft.confidences[node]
+
+
+def tried_side_nodes(parents: list[int], path: list[int]) -> list[tuple[int, bool]]:
+    """The alternatives (not first children) that verification tried, and whether each
+    was accepted: at each node of the accepted path, and at its end, the children in
+    order up to the accepted one (all of them after the last accepted node)."""
+    children: dict[int, list[int]] = {}
+    for i, parent in enumerate(parents):
+        children.setdefault(parent, []).append(i)
+    tried = []
+    for depth, node in enumerate([-1, *path]):
+        accepted = path[depth] if depth < len(path) else None
+        for place, child in enumerate(children.get(node, [])):
+            if place:
+                tried.append((child, child == accepted))
+            if child == accepted:
+                break
+    return tried
