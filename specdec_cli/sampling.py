@@ -3,7 +3,9 @@
 A next-token distribution is kept sparse, as the token ids that survive the
 top-k / top-p / min-p filters and their probabilities. Speculative sampling
 (Leviathan et al. 2023, Chen et al. 2023) only needs p(x), q(x) and the
-residual max(0, p - q), and all of them live on those few ids.
+residual max(0, p - q), and all of them live on those few ids. A draft may also be a
+tree, several candidates per position (SpecInfer, Miao et al. 2023): siblings are tried
+one after another, each against what the rejections before it left of p.
 
 At a real vocabulary (152k-262k tokens) nothing here sorts or walks the whole row
 one token at a time: finding the ids takes a few vectorised passes over the row,
@@ -281,17 +283,113 @@ def residual(p: Dist, q: Dist) -> Dist:
     return p.reweighted(r)
 
 
-def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
-    """Accept the longest prefix where the draft equals the target's argmax.
+def chain_parents(n: int) -> list[int]:
+    """The parents of a chain of n draft tokens (each the child of the one before): how a
+    single-candidate draft is passed to the tree verifiers."""
+    return list(range(-1, n - 1))
 
-    `target_argmax(i)` is the target's choice after the context plus draft[:i]. Rows
-    past the first mismatch are never read. Returns (number accepted, next token).
+
+def _children(parents: Sequence[int], *per_node: Sequence[object]) -> list[list[int]]:
+    """The children of each node, ascending, listed by the node's target row: entry 0 is
+    the root's (the last accepted token), entry j + 1 node j's.
+
+    Built in one pass, so walking a path never scans the tree for a node's children.
+    `per_node` (tokens, proposals) are checked to have one entry per node.
     """
-    for i, token in enumerate(draft):
-        choice = target_argmax(i)
-        if choice != token:
-            return i, choice
-    return len(draft), target_argmax(len(draft))
+    if any(len(seq) != len(parents) for seq in per_node):
+        raise ValueError("tokens, parents and proposals need one entry per node")
+    kids: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"node {j}: parent {parent} is neither -1 nor an earlier node")
+        kids[parent + 1].append(j)
+    return kids
+
+
+def verify_tree_greedy(
+    tokens: Sequence[int], parents: Sequence[int], target_argmax: Callable[[int], int]
+) -> tuple[list[int], int]:
+    """Accept the longest path from the root whose every token is the target's argmax.
+
+    `parents[j]` is node j's parent (-1: a child of the root, the last accepted token),
+    always an earlier node. `target_argmax(r)` is the target's choice at row r: row 0
+    follows the accepted context, row j + 1 follows node j. Only the rows along the
+    accepted path are read, each once: any other row would be an argmax thrown away.
+    Siblings are matched in ascending order (of equal tokens, the first is taken).
+    Returns (the accepted nodes, root to leaf; the target's argmax after them).
+    """
+    kids = _children(parents, tokens)
+    path: list[int] = []
+    row = 0
+    while True:
+        choice = target_argmax(row)
+        node = next((j for j in kids[row] if tokens[j] == choice), None)
+        if node is None:
+            return path, choice
+        path.append(node)
+        row = node + 1
+
+
+def verify_tree_sampled(
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    dists: Sequence[Dist],
+    target_dist: Callable[[int], Dist],
+    rng: np.random.Generator,
+) -> tuple[list[int], int]:
+    """Multi-candidate speculative sampling over a draft tree: the result is distributed
+    exactly as sampling the target token by token.
+
+    Tree and rows as in `verify_tree_greedy`; `dists[j]` is the proposal node j was drawn
+    from, which may depend on anything before it (the draft's distribution with earlier
+    siblings removed, a point for a deterministic candidate). At each node of the path,
+    starting from the root with p its target row, the children are tried in order
+    (`_accept_child`); the accepted child's row becomes p. When no child is accepted, or
+    the node has none, the next token is drawn from p: what is left of the target after
+    the rejections, or the whole row (the bonus token).
+
+    A chain (`chain_parents`) takes one `rng.random()` per tried token and one sample,
+    as the chain verifier always did, so a seed gives the same text either way.
+    Returns (the accepted nodes, root to leaf; the next token).
+    """
+    kids = _children(parents, tokens, dists)
+    path: list[int] = []
+    row = 0
+    while True:
+        node, p = _accept_child(kids[row], tokens, dists, target_dist(row), rng)
+        if node is None:
+            return path, p.sample(rng)
+        path.append(node)
+        row = node + 1
+
+
+def _accept_child(
+    children: list[int],
+    tokens: Sequence[int],
+    dists: Sequence[Dist],
+    p: Dist,
+    rng: np.random.Generator,
+) -> tuple[int | None, Dist]:
+    """Recursive rejection sampling among siblings: child x, proposed from q, is accepted
+    with probability min(1, p(x)/q(x)); a rejection replaces p by normalize(max(0, p - q)).
+
+    Each step then yields p exactly: x with probability min(p, q)(x), the residual's
+    share otherwise, whatever the next sibling's proposal is. Returns the accepted child
+    (None if every one was rejected) and p as it stands.
+    """
+    for j in children:
+        token, q = tokens[j], dists[j]
+        # u < p/q, written without the division (q(x) > 0 since x was drawn from q).
+        if rng.random() * q.prob(token) < p.prob(token):
+            return j, p
+        p = residual(p, q)
+    return None, p
+
+
+def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
+    """`verify_tree_greedy` on a chain draft: (number accepted, next token)."""
+    path, token = verify_tree_greedy(draft, chain_parents(len(draft)), target_argmax)
+    return len(path), token
 
 
 def verify_sampled(
@@ -300,17 +398,8 @@ def verify_sampled(
     target_dist: Callable[[int], Dist],
     rng: np.random.Generator,
 ) -> tuple[int, int]:
-    """Speculative sampling: the result is distributed exactly as sampling the target.
-
-    Draft token x, proposed from q, is kept with probability min(1, p(x)/q(x)); on the
-    first rejection the replacement comes from normalize(max(0, p - q)); if every draft
-    token is kept, the bonus token comes from the target's next distribution.
-    Returns (number accepted, next token).
-    """
-    for i, (token, q) in enumerate(zip(draft, draft_dists, strict=True)):
-        p = target_dist(i)
-        # u < p/q, written without the division (q(x) > 0 since x was drawn from q).
-        if rng.random() * q.prob(token) < p.prob(token):
-            continue
-        return i, residual(p, q).sample(rng)
-    return len(draft), target_dist(len(draft)).sample(rng)
+    """`verify_tree_sampled` on a chain draft: (number accepted, next token)."""
+    path, token = verify_tree_sampled(
+        draft, chain_parents(len(draft)), draft_dists, target_dist, rng
+    )
+    return len(path), token
