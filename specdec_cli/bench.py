@@ -17,7 +17,7 @@ import numpy as np
 from specdec_cli import __version__, backend, costmodel, machine
 from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
-from specdec_cli.engine import Engine, parse_k
+from specdec_cli.engine import AUTO_TREE_NODES, Engine, parse_k, parse_tree
 from specdec_cli.stats import FlashAttnChoice, Stats
 
 BUILTIN_PROMPTS = {
@@ -43,6 +43,7 @@ class BenchOptions:
     """`specdec bench`'s defaults: greedy, so that every variant makes the same text."""
 
     ks: str = "1,2,4,8"
+    trees: str = "off"
     n_predict: int = 128
     repeat: int = 3
     temp: float = 0.0
@@ -53,6 +54,7 @@ class BenchOptions:
 class Variant:
     drafter: str | None  # "model", "ngram", "model+ngram", or None for the target alone
     k: str = "0"
+    tree: str = "off"
 
     @property
     def uses_model(self) -> bool:
@@ -63,7 +65,8 @@ class Variant:
     def name(self) -> str:
         if self.drafter is None:
             return "target only"
-        return f"{self.drafter} k={self.k}"
+        tree = f" tree={self.tree}" if self.tree != "off" else ""
+        return f"{self.drafter} k={self.k}{tree}"
 
 
 @dataclass
@@ -203,6 +206,7 @@ class BenchReport:
             "name": result.variant.name,
             "drafter": result.variant.drafter,
             "k": result.variant.k,
+            "tree": result.variant.tree,
             "tokens_per_second": round(statistics.median(speeds), 2),
             "tokens_per_second_min": round(min(speeds), 2),
             "tokens_per_second_max": round(max(speeds), 2),
@@ -213,6 +217,7 @@ class BenchReport:
             "acceptance_rate": round(t.acceptance_rate, 4),
             "tokens_per_pass": round(t.tokens_per_pass, 4),
             "k_mean": round(t.mean_k, 3),
+            "accepted_depth_mean": round(t.accepted_depth, 3),
             "k_histogram": {str(k): n for k, n in sorted(t.draft_lengths.items())},
             "time_share": {
                 "draft": round(t.draft_seconds / seconds, 4),
@@ -234,11 +239,22 @@ class BenchReport:
         return out
 
 
-def variants(drafters: Sequence[str], ks: Sequence[str]) -> list[Variant]:
-    """The baseline first, then every drafter at every k."""
+def variants(
+    drafters: Sequence[str], ks: Sequence[str], trees: Sequence[str] = ("off",)
+) -> list[Variant]:
+    """The baseline first, then every drafter at every k, with every tree setting."""
     for k in ks:
         parse_k(k)
-    return [Variant(None), *(Variant(d, k) for d in drafters for k in ks)]
+    for tree in trees:
+        parse_tree(tree)
+    return [Variant(None), *(Variant(d, k, t) for d in drafters for k in ks for t in trees)]
+
+
+def widest_tree(trees: Sequence[str]) -> str:
+    """The --tree an engine must be made for to run all of `trees`."""
+    widest = max(trees, key=lambda tree: parse_tree(tree) or 0, default="off")
+    fixed = [parse_tree(t) or 0 for t in trees if t != "auto"]
+    return widest if "auto" not in trees or max(fixed, default=0) > AUTO_TREE_NODES else "auto"
 
 
 def environment() -> dict[str, object]:
@@ -282,7 +298,7 @@ def run_bench(
     # Costs are measured again after every repeat and the medians kept, so that they
     # describe the same machine, in the same moods, as the runs.
     measured = [measure(reps=5)]
-    decoders = [engine.make_decoder(v.drafter, v.k) for v in variant_list]
+    decoders = [engine.make_decoder(v.drafter, v.k, v.tree) for v in variant_list]
     advance("warming up", 0)
     for decoder in decoders:  # warm-up, not counted
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
@@ -306,7 +322,8 @@ def _max_k(engine: Engine, variant: Variant) -> int:
     if variant.drafter is None:
         return 0
     k = parse_k(variant.k)
-    return k if k is not None else engine.options.drafting.draft_max
+    chain = k if k is not None else engine.options.drafting.draft_max
+    return max(chain, min(parse_tree(variant.tree) or 0, engine.tree_nodes))
 
 
 def _generate(decoder: Decoder, prompt: list[int], n_predict: int, seed: int) -> Stats:

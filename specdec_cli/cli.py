@@ -22,6 +22,7 @@ from specdec_cli.bench import (
     fit_context,
     run_bench,
     variants,
+    widest_tree,
 )
 from specdec_cli.chat import chat_options, template_override
 from specdec_cli.config import load_config, pair_lines
@@ -34,7 +35,7 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import DraftOptions, EngineOptions, GenerationOptions
+from specdec_cli.engine import DraftOptions, EngineOptions, GenerationOptions, parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.options import (
     MODEL_HELP,
@@ -47,6 +48,7 @@ from specdec_cli.options import (
     ModelOpt,
     TopKOpt,
     TopPOpt,
+    TreeOpt,
     VerboseOpt,
     described,
     engine_options,
@@ -142,6 +144,7 @@ def run(
             ),
         ),
     ] = None,
+    tree: TreeOpt = None,
     prompt: Annotated[
         str | None,
         typer.Option(
@@ -281,7 +284,9 @@ def run(
     # The input first: a typo there must not wait for models to load (or download).
     chat_opts = chat_options(chat, system, messages, chat_template, prompt)
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
-    options, defaults = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
+    options, defaults = engine_options(
+        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+    )
     generation = generation_options(n_predict, seed, defaults)
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
@@ -312,6 +317,17 @@ def bench(
             "--draft-length",
             metavar="LIST",
             help=described("Draft lengths to try, e.g. 1,2,4,8,auto.", BenchOptions.ks),
+        ),
+    ] = None,
+    tree: Annotated[
+        str | None,
+        typer.Option(
+            "--tree",
+            metavar="LIST",
+            help=described(
+                "Tree settings to try with each k, e.g. off,auto,16 (see run --tree).",
+                BenchOptions.trees,
+            ),
         ),
     ] = None,
     prompts: Annotated[
@@ -387,21 +403,28 @@ def bench(
     _check_outputs(json_path, plot_path)
     drafts = draft or []
     kinds = _drafter_kinds(drafts)
-    plan = BenchOptions(**only_given(ks=k, n_predict=n_predict, repeat=repeat, seed=seed))
-    ks = [x.strip() for x in plan.ks.split(",") if x.strip()]
-    variant_list = variants(kinds, ks)
+    plan = BenchOptions(
+        **only_given(ks=k, trees=tree, n_predict=n_predict, repeat=repeat, seed=seed)
+    )
+    ks, trees = _split_list(plan.ks), _split_list(plan.trees)
+    variant_list = variants(kinds, ks, trees)
     texts = (
         {f"line {n}": t for n, t in read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
     )
     flags = shared_options(locals())
     flags["temp"] = first_given(temp, BenchOptions.temp)
-    options, _ = engine_options(model, drafts, config, k="1", **flags)
+    options, _ = engine_options(model, drafts, config, k="1", tree=widest_tree(trees), **flags)
     if engine_flags["ctx_size"] is None:
-        n_ctx = fit_context(texts, plan.n_predict, ks, options.drafting.draft_max)
+        widest = max(options.drafting.draft_max, parse_tree(options.drafting.tree) or 0)
+        n_ctx = fit_context(texts, plan.n_predict, ks, widest)
         options = replace(options, n_ctx=n_ctx)
     report = _measure(options, variant_list, texts, plan)
     print_bench(report)
     _write_outputs(report, json_path, plot_path)
+
+
+def _split_list(value: str) -> list[str]:
+    return [x.strip() for x in value.split(",") if x.strip()]
 
 
 def _check_outputs(json_path: Path | None, plot_path: Path | None) -> None:
@@ -472,6 +495,7 @@ def serve(
             ),
         ),
     ] = None,
+    tree: TreeOpt = None,
     host: Annotated[
         str | None,
         typer.Option(
@@ -555,7 +579,9 @@ def serve(
             f"specdec serve needs the server extra ({err.name} is missing): "
             "pip install 'specdec-cli[server]'"
         ) from None
-    options, _ = engine_options(model, draft or [], config, k=k, **shared_options(locals()))
+    options, _ = engine_options(
+        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+    )
     for message in ignored_options(options, k):
         warn(message)
     given = only_given(

@@ -49,6 +49,7 @@ class Decoder:
         length: DraftLength | None = None,
         label: str = "0",
         tree: TreePolicy | None = None,
+        tree_label: str = "off",
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -56,6 +57,7 @@ class Decoder:
         self.length = length or FixedLength(0)
         self.label = label  # how the user named the draft length: "4", "auto"
         self.tree = tree  # None: chains
+        self.tree_label = tree_label  # how the user named it: "off", "auto", "16"
 
     def generate(
         self,
@@ -84,7 +86,7 @@ class Decoder:
         if n_predict < 0:
             n_predict = target.n_ctx  # the context fills up first
         draft_ctx = drafter.ctx if drafter else None
-        stats.k = self.label
+        stats.k, stats.tree = self.label, self.tree_label
         t_start = time.perf_counter()
         # The last prompt token goes into the first verification batch.
         stats.prompt_reused = target.prefill(prompt[:-1])
@@ -144,8 +146,9 @@ class Decoder:
                 if eog is not None:
                     new = new[:eog]
                     stats.stop_reason = "eos"
+                beside = draft.beside_primary(path)
                 stats.record_round(
-                    draft.source, len(draft.tokens), len(batch), n_accepted, len(new)
+                    draft.source, len(draft.tokens), len(batch), n_accepted, len(new), beside
                 )
                 tokens += new
                 n_new += len(new)

@@ -51,6 +51,8 @@ def stats_line(stats: Stats, width: int, final: bool = False) -> Text:
         if stats.draft_lengths:
             k += f" (last {stats.last_k}, mean {stats.mean_k:.2f})"
         parts.append((k, ""))
+        if stats.tree != "off":
+            parts.append((f"tree={stats.tree} depth {stats.accepted_depth:.2f}", ""))
     if final:
         parts.append((f"stop: {stats.stop_reason}", ""))
         if stats.seed is not None:

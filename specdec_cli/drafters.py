@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from specdec_cli.llama import Context
-from specdec_cli.sampling import Dist, SamplingParams, distribution, top_k_ids
+from specdec_cli.sampling import Dist, SamplingParams, chain_parents, distribution, top_k_ids
 
 
 @dataclass
@@ -34,19 +34,33 @@ class Draft:
 
     def parent_list(self) -> list[int]:
         if self.parents is None:
-            return list(range(-1, len(self.tokens) - 1))
+            return chain_parents(len(self.tokens))
         return self.parents
 
-    def primary_path(self) -> list[int]:
-        """The tokens down the first children: what a chain would have drafted."""
+    def primary_nodes(self) -> list[int]:
+        """The nodes down the first children: what a chain would have drafted."""
         if self.parents is None:
-            return self.tokens
+            return list(range(len(self.tokens)))
         path, node = [], -1
         for i, parent in enumerate(self.parents):
             if parent == node:
-                path.append(self.tokens[i])
+                path.append(i)
                 node = i
         return path
+
+    def primary_path(self) -> list[int]:
+        return [self.tokens[i] for i in self.primary_nodes()]
+
+    def beside_primary(self, path: list[int]) -> int:
+        """How many nodes of an accepted path a chain would not have had: those from
+        where it leaves the primary path."""
+        if self.parents is None:
+            return 0
+        primary = self.primary_nodes()
+        same = 0
+        while same < min(len(path), len(primary)) and path[same] == primary[same]:
+            same += 1
+        return len(path) - same
 
     @property
     def depth(self) -> int:
@@ -169,13 +183,16 @@ class ModelDrafter:
     def children(
         self, logits: np.ndarray, rng: np.random.Generator, n: int, need_confidence: bool
     ) -> tuple[list[int], list[float], list[Dist | None]]:
-        """A node's children from the draft's logits after it: the drafted token first
-        (argmax, or sampled from q), then up to n-1 alternatives, likeliest first, with
-        the draft's probability of each (the first's: the draft's top probability, 1.0
-        when not needed) and what each was drawn from (None when greedy).
+        """A node's children from the draft's logits after it, up to n: the token a
+        chain would draft first, then alternatives. Each comes with the draft's
+        probability that it is right (the first's 1.0 when nobody asked) and what it was
+        drawn from (None when greedy).
 
-        Alternatives are point masses: whether they are tried after a rejection is
-        decided by their draft probability, not drawn, and verification treats them so.
+        Greedy: the likeliest tokens in order. Sampling: draws from q without
+        replacement (each from q with the earlier ones taken out), each probability the
+        top of the distribution it is drawn from, never of the token drawn: whether a
+        drawn token is kept must not depend on which token it is, or the kept drafts
+        would no longer follow their q.
         """
         if self.sampling.greedy:
             token = int(np.argmax(logits))
@@ -186,21 +203,14 @@ class ModelDrafter:
             ids = [token, *others[: n - 1]]
             probs = [top * float(np.exp(logits[t] - logits[token])) for t in ids]
             return ids, probs, [None] * len(ids)
-        q = distribution(logits, self.sampling)
-        token = q.sample(rng)
-        # q's maximum, not q of the sampled token: whether to keep it must not depend on
-        # which token is drawn, or the kept drafts would no longer follow q. With every
-        # filter off, q spans the vocabulary: only if asked.
-        confidence = float(q.probs.max()) if need_confidence or n > 1 else 1.0
-        ids, probs, dists = [token], [confidence], [q]
-        if n > 1:
-            order = np.argsort(-q.probs, kind="stable")[:n]
-            for i in order:
-                other = int(q.ids[i])
-                if other != token and len(ids) < n:
-                    ids.append(other)
-                    probs.append(float(q.probs[i]))
-                    dists.append(Dist.point(other))
+        ids, probs, dists = [], [], []
+        q: Dist | None = distribution(logits, self.sampling)
+        while q is not None and len(ids) < n:
+            ids.append(q.sample(rng))
+            # With every filter off, q spans the vocabulary: its top only if asked.
+            probs.append(float(q.probs.max()) if need_confidence or n > 1 else 1.0)
+            dists.append(q)
+            q = q.without(ids[-1]) if len(ids) < n else None
         return ids, probs, dists
 
     def _top_probability(self, logits: np.ndarray, top: int) -> float:
@@ -334,7 +344,7 @@ class _Growth:
             confidences=[draft.confidences[i] for i in keep] if draft.confidences else [],
             calls=draft.calls,
             source=draft.source,
-            parents=None if parents == list(range(-1, len(keep) - 1)) else parents,
+            parents=None if parents == chain_parents(len(keep)) else parents,
         )
 
 
@@ -412,7 +422,7 @@ def _merge_into_tree(draft: Draft, continuations: list[list[int]], n_max: int) -
                 draft.tokens.append(token)
                 parents.append(parent)
             parent = node
-    if parents != list(range(-1, len(parents) - 1)):
+    if parents != chain_parents(len(parents)):
         draft.parents = parents
 
 

@@ -287,9 +287,8 @@ class Engine:
             )
         else:
             length = FixedLength(n, d.p_min)
-        return Decoder(
-            self.target, drafter, sampling, length, label=k, tree=self._tree_policy(tree, kind)
-        )
+        policy = self._tree_policy(tree, kind)
+        return Decoder(self.target, drafter, sampling, length, k, policy, tree if policy else "off")
 
     def _tree_policy(self, tree: str, kind: str) -> TreePolicy | None:
         nodes = parse_tree(tree)

@@ -29,6 +29,7 @@ from specdec_cli.engine import (
     GenerationOptions,
     parse_gpu_layers,
     parse_k,
+    parse_tree,
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llama import builtin_chat_templates
@@ -287,6 +288,18 @@ NgramMaxOpt = Annotated[
         ),
     ),
 ]
+TreeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tree",
+        metavar="off|auto|N",
+        help=described(
+            "Draft a tree of up to N tokens a round (alternatives beside the chain, all "
+            "verified in one target pass); 'auto' adds those the measured costs say pay.",
+            DraftOptions.tree,
+        ),
+    ),
+]
 ChatTemplateOpt = Annotated[
     str | None,
     typer.Option(
@@ -367,6 +380,7 @@ def engine_options(
     config_path: str | None,
     *,
     k: str | None,
+    tree: str | None = None,
     ctx_size: int | None,
     batch_size: int | None,
     ubatch_size: int | None,
@@ -410,9 +424,11 @@ def engine_options(
             p_min=draft_p_min,
             ngram_min=ngram_min,
             ngram_max=ngram_max,
+            tree=tree,
         )
     )
     parse_k(drafting.k)
+    parse_tree(drafting.tree)
     if drafting.draft_min > drafting.draft_max:
         raise UserError(
             f"--draft-min ({drafting.draft_min}) is above --draft-max ({drafting.draft_max})"

@@ -84,6 +84,13 @@ class Dist:
         """The same support with probabilities proportional to `weights`."""
         return Dist(self.ids, weights / weights.sum())
 
+    def without(self, token: int) -> Dist | None:
+        """This distribution with `token` taken out and the rest renormalised (what the
+        next of several draws without replacement comes from); None if nothing is left."""
+        weights = self.probs.copy()
+        weights[self.find(np.array([token]))[0]] = 0.0
+        return self.reweighted(weights) if weights.any() else None
+
 
 @dataclass(frozen=True)
 class DenseDist(Dist):
@@ -384,22 +391,3 @@ def _accept_child(
             return j, p
         p = residual(p, q)
     return None, p
-
-
-def verify_greedy(draft: Sequence[int], target_argmax: Callable[[int], int]) -> tuple[int, int]:
-    """`verify_tree_greedy` on a chain draft: (number accepted, next token)."""
-    path, token = verify_tree_greedy(draft, chain_parents(len(draft)), target_argmax)
-    return len(path), token
-
-
-def verify_sampled(
-    draft: Sequence[int],
-    draft_dists: Sequence[Dist],
-    target_dist: Callable[[int], Dist],
-    rng: np.random.Generator,
-) -> tuple[int, int]:
-    """`verify_tree_sampled` on a chain draft: (number accepted, next token)."""
-    path, token = verify_tree_sampled(
-        draft, chain_parents(len(draft)), draft_dists, target_dist, rng
-    )
-    return len(path), token

@@ -31,11 +31,13 @@ class Stats:
     """
 
     k: str = "0"
+    tree: str = "off"  # --tree: "off" (chains), "auto" or a number of tokens
     prompt_tokens: int = 0
     prompt_reused: int = 0  # of them, already in the target's memory from the last generation
     tokens: int = 0
     drafted: int = 0
     accepted: int = 0
+    accepted_beside: int = 0  # of them, on a tree's branches (a chain would have missed)
     target_passes: int = 0
     draft_lengths: Counter[int] = field(default_factory=Counter)
     batch_sizes: Counter[int] = field(default_factory=Counter)
@@ -56,14 +58,22 @@ class Stats:
     seed: int | None = None  # the seed sampling used (None when greedy): it reproduces the run
 
     def record_round(
-        self, source: str, n_drafted: int, n_batch: int, n_accepted: int, n_new: int
+        self,
+        source: str,
+        n_drafted: int,
+        n_batch: int,
+        n_accepted: int,
+        n_new: int,
+        n_beside: int = 0,
     ) -> None:
         """`n_batch`: the tokens the target verified, n_drafted + 1, or a few more when a
-        recurrent model's rewind left accepted tokens to evaluate again."""
+        recurrent model's rewind left accepted tokens to evaluate again. `n_beside`: the
+        accepted tokens off a tree's primary path."""
         self.target_passes += 1
         self.tokens += n_new
         self.drafted += n_drafted
         self.accepted += n_accepted
+        self.accepted_beside += n_beside
         self.draft_lengths[n_drafted] += 1
         self.last_k = n_drafted
         self.batch_sizes[n_batch] += 1
@@ -84,6 +94,13 @@ class Stats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def accepted_depth(self) -> float:
+        """Draft tokens accepted per round that drafted: the depth a tree's accepted
+        path reached, a chain's accepted prefix."""
+        rounds = self.target_passes - self.draft_lengths[0]
+        return self.accepted / rounds if rounds else 0.0
 
     @property
     def tokens_per_pass(self) -> float:
@@ -122,7 +139,11 @@ class Stats:
                 "llama_cpp_clock": round(self.llama_seconds, 4),
             },
             "k": self.k,
+            "tree": self.tree,
+            # Per round: tokens drafted (a tree's nodes), and how deep the accepted path went.
             "k_mean": round(self.mean_k, 3),
+            "accepted_depth_mean": round(self.accepted_depth, 3),
+            "accepted_beside_chain": self.accepted_beside,
             "k_histogram": {str(k): n for k, n in sorted(self.draft_lengths.items())},
             "drafters": {
                 name: {"proposed": n, "accepted": self.accepted_by[name]}
@@ -140,6 +161,8 @@ class Stats:
                 f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.1%})"
                 f", {self.tokens_per_pass:.2f} tokens/pass, k={self.k} (mean {self.mean_k:.2f})"
             )
+            if self.tree != "off":
+                line += f", tree={self.tree} (accepted depth {self.accepted_depth:.2f})"
         line += f", stop: {self.stop_reason or 'running'}"
         line += f", seed {self.seed}" if self.seed is not None else ""
         return line + (f", -fa {self.flash_attn}" if self.flash_attn else "")

@@ -48,6 +48,7 @@ def open_engine(
     n_ctx: int = 256,
     n_batch: int = 2048,
     flash_attn: str = "auto",
+    tree: str = "off",
 ) -> Engine:
     """`draft` is a model file, "ngram", or None."""
     return Engine(
@@ -60,7 +61,7 @@ def open_engine(
             threads=1,
             flash_attn=flash_attn,
             sampling=sampling,
-            drafting=DraftOptions(k=str(k)),
+            drafting=DraftOptions(k=str(k), tree=tree),
         )
     )
 
@@ -214,7 +215,7 @@ class WrongDrafter:
     def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator, keep=None) -> Draft:
+    def propose(self, tokens: list[int], k: int, rng: np.random.Generator, *_: object) -> Draft:
         at = len(tokens) - self.n_prompt
         return Draft([(self.reference[at] + 1) % self.n_vocab] * k, source=self.name)
 
@@ -374,14 +375,28 @@ def sampled_baseline(target_model: Path) -> np.ndarray:
 
 
 @pytest.mark.parametrize(
-    ("drafter", "k"),
-    [("model", "4"), ("model", "auto"), ("ngram", "3"), ("ngram", "auto"), ("model+ngram", "3")],
+    ("drafter", "k", "tree"),
+    [
+        ("model", "4", "off"),
+        ("model", "auto", "off"),
+        ("ngram", "3", "off"),
+        ("ngram", "auto", "off"),
+        ("model+ngram", "3", "off"),
+        ("model", "3", "8"),  # sampled first children, point-mass alternatives
+        ("model", "2", "12"),
+        ("ngram", "3", "8"),  # several earlier continuations
+    ],
 )
 def test_sampling_matches_target_distribution(
-    target_model: Path, draft_model: Path, sampled_baseline: np.ndarray, drafter: str, k: str
+    target_model: Path,
+    draft_model: Path,
+    sampled_baseline: np.ndarray,
+    drafter: str,
+    k: str,
+    tree: str,
 ) -> None:
     """The first tokens of thousands of seeded runs: speculative vs target-only."""
-    with open_engine(target_model, draft_model, 4, SAMPLING) as engine:
+    with open_engine(target_model, draft_model, 4, SAMPLING, tree=tree) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS), decoder)
         stats = Stats()
@@ -390,6 +405,8 @@ def test_sampling_matches_target_distribution(
         ):
             pass
     assert 0.0 < stats.acceptance_rate < 1.0  # drafts were made, some kept, some not
+    if tree != "off":  # and the tree's branches were kept where a chain had missed
+        assert stats.accepted_beside > 0
     for position in range(N_FIRST):
         table = contingency(sampled_baseline[:, position], speculative[:, position])
         assert table.shape[1] > 3  # a real distribution, not one forced token

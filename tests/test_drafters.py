@@ -21,7 +21,7 @@ class StandInModel:
     def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
-    def propose(self, tokens, k, rng, keep_drafting=None) -> Draft:
+    def propose(self, tokens, k, rng, keep_drafting=None, shape=None) -> Draft:
         return Draft(tokens=self.guess(tokens)[:k], source=self.name)
 
 

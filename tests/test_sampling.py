@@ -10,16 +10,28 @@ from specdec_cli.sampling import (
     DenseDist,
     Dist,
     SamplingParams,
+    chain_parents,
     distribution,
     residual,
     top_k_ids,
-    verify_greedy,
-    verify_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
 )
 
 N_VOCAB = 12
 N_SAMPLES = 40_000
 P_VALUE = 1e-3  # fixed seeds make every test deterministic; this guards real mismatches
+
+
+def verify_greedy(draft: list[int], target_argmax) -> tuple[int, int]:
+    """A chain through the tree verifier: (number accepted, next token)."""
+    path, token = verify_tree_greedy(draft, chain_parents(len(draft)), target_argmax)
+    return len(path), token
+
+
+def verify_sampled(draft: list[int], dists, target_dist, rng) -> tuple[int, int]:
+    path, token = verify_tree_sampled(draft, chain_parents(len(draft)), dists, target_dist, rng)
+    return len(path), token
 
 
 def dense(d: Dist, n: int = N_VOCAB) -> np.ndarray:

@@ -1,0 +1,213 @@
+"""Tree drafting on real llama.cpp models: one target pass over a tree gives each node
+the logits its path alone would, the accepted branch is kept exactly, and speculative
+output still equals the target's alone. The verification math is in test_tree_verify."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_decode import PROMPT, generate, open_engine
+
+from specdec_cli.costmodel import Costs
+from specdec_cli.drafters import Draft, NgramDrafter, TreeShape
+from specdec_cli.engine import parse_tree
+from specdec_cli.errors import UserError
+from specdec_cli.llama import Context, ContextParams, Model
+from specdec_cli.sampling import GREEDY
+from specdec_cli.treeshape import AutoTree, FixedTree, tried_side_nodes
+
+# A tree hanging from the last prompt token (index 0 of the call): three children, the
+# first with two of its own, the third with one.
+TREE_TOKENS = [100, 200, 300, 101, 102, 301]
+TREE_PARENTS = [-1, -1, -1, 0, 0, 2]
+
+
+def call_tree(last: int) -> tuple[list[int], list[int]]:
+    """The decode call: the last prompt token, then the tree below it."""
+    return [last, *TREE_TOKENS], [-1, *(p + 1 if p >= 0 else 0 for p in TREE_PARENTS)]
+
+
+def path_to(parents: list[int], i: int) -> list[int]:
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+@pytest.fixture(scope="module")
+def contexts(target_model: Path):
+    model = Model(target_model)
+    tree = Context(model, ContextParams(256, 1, "off", n_seq_max=8))
+    chain = Context(model, ContextParams(256, 1, "off"))
+    yield model, tree, chain
+    tree.close()
+    chain.close()
+    model.close()
+
+
+def test_each_node_sees_its_own_path(contexts) -> None:
+    """Row i of one tree pass equals the last row of decoding i's path as a chain."""
+    model, tree, chain = contexts
+    prompt = model.tokenize(PROMPT)
+    start = len(prompt) - 1
+    tree.prefill(prompt[:-1])
+    chain.prefill(prompt[:-1])
+    tokens, parents = call_tree(prompt[-1])
+    tree.decode(tokens, start, n_logits=len(tokens), parents=parents)
+    rows = [tree.logits(i).copy() for i in range(len(tokens))]
+    for i in range(len(tokens)):
+        chain.rewind(start)
+        chain.decode([tokens[j] for j in path_to(parents, i)], start)
+        assert np.allclose(rows[i], chain.logits(-1), atol=1e-3), f"node {i}"
+    # A sibling's token is invisible to the others: node 2 (200) differs from node 1's
+    # child (101) though both are at the same position.
+    assert not np.allclose(rows[2], rows[4], atol=1e-3)
+
+
+@pytest.mark.parametrize("kept", range(len(TREE_TOKENS) + 1))
+def test_keep_branch_leaves_exactly_that_path(contexts, kept: int) -> None:
+    """After keeping any node's path, the memory is that path alone: the next token's
+    logits equal a chain's, and the sequence length is right."""
+    model, tree, chain = contexts
+    prompt = model.tokenize(PROMPT)
+    start = len(prompt) - 1
+    tree.prefill(prompt[:-1])
+    tokens, parents = call_tree(prompt[-1])
+    tree.decode(tokens, start, n_logits=len(tokens), parents=parents)
+    tree.keep_branch(kept)
+    path = [tokens[j] for j in path_to(parents, kept)]
+    assert tree.tokens == [*prompt[:-1], *path]
+    tree.decode([7], len(tree.tokens))
+    chain.prefill(prompt[:-1])
+    chain.decode([*path, 7], start)
+    assert np.allclose(tree.logits(-1), chain.logits(-1), atol=1e-3)
+
+
+@pytest.fixture(scope="module")
+def reference(target_model: Path) -> list[int]:
+    with open_engine(target_model) as engine:
+        return generate(engine, 64)[0]
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram", "model+ngram"])
+@pytest.mark.parametrize(("k", "tree"), [("3", "8"), ("2", "6"), ("4", "16"), ("auto", "auto")])
+def test_greedy_tree_equals_target(
+    target_model: Path, draft_model: Path, reference, drafter: str, k: str, tree: str
+) -> None:
+    with open_engine(target_model, draft_model, k, GREEDY, tree=tree) as engine:
+        out, stats = generate(engine, 64, decoder=engine.make_decoder(drafter, k))
+    assert out == reference
+    assert stats.tree == tree
+
+
+def test_a_tree_accepts_more_per_pass_than_its_chain(
+    target_model: Path, draft_model: Path, reference
+) -> None:
+    """The draft's second choices are right often enough on the test pair: the same k
+    with a tree yields more tokens per target pass, through its branches."""
+    with open_engine(target_model, draft_model, 3, GREEDY, tree="12") as engine:
+        _, chain = generate(engine, 64, decoder=engine.make_decoder("model", "3", "off"))
+        out, tree = generate(engine, 64, decoder=engine.make_decoder("model", "3", "12"))
+    assert out == reference
+    assert tree.accepted_beside > 0
+    assert tree.tokens_per_pass > chain.tokens_per_pass
+    assert tree.mean_k > chain.mean_k  # more tokens drafted per round
+
+
+def test_recurrent_models_draft_chains(mamba_pair: tuple[Path, Path]) -> None:
+    """A recurrent state is one per sequence: an explicit tree is refused in one line,
+    auto says so and drafts chains (still lossless)."""
+    target, draft = mamba_pair
+    with pytest.raises(UserError, match=r"recurrent.*--tree off"):
+        open_engine(target, draft, 3, tree="8")
+    with open_engine(target, draft, 3, tree="auto") as engine:
+        assert any("recurrent" in w for w in engine.warnings)
+        assert engine.decoder.tree is None
+        out, _ = generate(engine, 24)
+    with open_engine(target) as engine:
+        assert out == generate(engine, 24)[0]
+
+
+@pytest.mark.parametrize("value", ["1", "0", "-3", "wide", "2.5"])
+def test_bad_tree_values_are_refused(value: str) -> None:
+    with pytest.raises(UserError, match="--tree must be"):
+        parse_tree(value)
+
+
+def test_fixed_tree_shape() -> None:
+    assert FixedTree(4).shape(k=4, limit=100) is None  # no room beside the chain
+    shape = FixedTree(16).shape(k=4, limit=100)
+    assert shape == TreeShape(16, 4, 4)
+    assert FixedTree(16).shape(k=4, limit=10) == TreeShape(10, 2, 2)  # near the end
+
+
+def flat_costs(per_token: float) -> Costs:
+    return Costs(0.01, 0.05, {n: 1.0 + per_token * (n - 1) for n in range(1, 34)})
+
+
+def test_auto_tree_follows_the_cost_curve() -> None:
+    """Where a token more in the batch costs next to nothing, alternatives pay; where
+    each costs a whole target pass, a side node would need odds beyond any draft's."""
+    assert AutoTree(flat_costs(1.0), 32).shape(k=3, limit=100) is None
+    shape = AutoTree(flat_costs(0.003), 32).shape(k=3, limit=100)
+    assert shape is not None and shape.nodes == 32 and shape.min_score < 0.01
+
+
+def test_auto_tree_calibrates_on_what_branches_earned() -> None:
+    """Side nodes the draft was sure of but the target never took raise the bar."""
+    policy = AutoTree(flat_costs(0.05), 32)
+    before = policy.min_score(3)
+    draft = Draft([1, 2, 3], confidences=[0.9, 0.8, 0.8], parents=[-1, -1, -1], calls=1)
+    for _ in range(20):
+        policy.observe(draft, [])
+    assert policy.min_score(3) > 2 * before
+
+
+def test_tried_side_nodes() -> None:
+    parents = [-1, -1, -1, 0, 0, 2]
+    # Accepted 2 (third child of the root), then its only child 5.
+    assert tried_side_nodes(parents, [2, 5]) == [(1, False), (2, True)]
+    # Accepted 0 then nothing: the root's first child only, then 0's children, all tried.
+    assert tried_side_nodes(parents, [0]) == [(4, False)]
+    assert tried_side_nodes(parents, []) == [(1, False), (2, False)]
+
+
+def test_draft_paths() -> None:
+    draft = Draft([10, 20, 30, 11, 12, 31], parents=[-1, -1, -1, 0, 0, 2])
+    assert draft.primary_path() == [10, 11]
+    assert draft.depth == 2
+    assert draft.beside_primary([0, 3]) == 0
+    assert draft.beside_primary([2, 5]) == 2
+    assert draft.beside_primary([0, 4]) == 1
+    chain = Draft([5, 6, 7])
+    assert (
+        chain.primary_path() == [5, 6, 7]
+        and chain.depth == 3
+        and chain.parent_list()
+        == [
+            -1,
+            0,
+            1,
+        ]
+    )
+
+
+def test_ngram_tree_branches_on_every_continuation() -> None:
+    """ "a b" was followed by c d, then by e f, then by c g: the latest first, a shared
+    start (c) is one node; a chain takes the latest alone."""
+    a, b, c, d, e, f, g = range(1, 8)
+    tokens = [a, b, c, d, 0, a, b, e, f, 0, a, b, c, g, 0, a, b]
+    lookup = NgramDrafter(1, 2)
+    rng = np.random.default_rng(0)
+    lookup.begin(tokens)
+    tree = lookup.propose(tokens, 2, rng, shape=TreeShape(8, 3, 3))
+    assert tree.tokens == [c, g, e, f, d]
+    assert tree.parents == [-1, 0, -1, 2, 0]
+    lookup.begin(tokens)
+    assert lookup.propose(tokens, 2, rng).tokens == [c, g]
+    lookup.begin(tokens)
+    small = lookup.propose(tokens, 2, rng, shape=TreeShape(3, 3, 3))
+    assert small.tokens == [c, g, e] and small.parents == [-1, 0, -1]
