@@ -66,10 +66,12 @@ class ApiError(Exception):
 
 @dataclass(frozen=True)
 class Speculation:
-    """The extension field "speculative": off, the server's own drafting, or a draft length."""
+    """The extension field "speculative": off, the server's own drafting, or a draft
+    length and tree setting."""
 
     enabled: bool = True
     k: str | None = None  # a number of tokens or "auto"; None: as the server was started
+    tree: str | None = None  # "off", "auto" or a number of tokens; None: as started
 
 
 @dataclass(frozen=True)
@@ -210,22 +212,36 @@ def _speculation(body: dict[str, object]) -> Speculation:
         return Speculation()
     if value is False:
         return Speculation(enabled=False)
-    if not isinstance(value, dict) or set(value) - {"k"}:
+    if not isinstance(value, dict) or set(value) - {"k", "tree"}:
         raise ApiError(
-            'speculative must be false, true or {"k": N} (N a number of tokens or "auto")',
+            'speculative must be false, true or {"k": N, "tree": T} (N a number of tokens '
+            'or "auto"; T "off", "auto" or a number of tokens; both optional)',
             param="speculative",
         )
-    k = value.get("k")
-    if k is None:
-        return Speculation()
-    if k == "auto":
-        return Speculation(k="auto")
+    return Speculation(k=_draft_length(value.get("k")), tree=_tree(value.get("tree")))
+
+
+def _draft_length(k: object) -> str | None:
+    if k is None or k == "auto":
+        return k
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
         raise ApiError(
             f'speculative.k must be a whole number from 1 to {MAX_K}, or "auto" (got {k!r})',
             param="speculative",
         )
-    return Speculation(k=str(k))
+    return str(k)
+
+
+def _tree(tree: object) -> str | None:
+    if tree is None or tree in ("off", "auto"):
+        return tree  # type: ignore[return-value]
+    if isinstance(tree, bool) or not isinstance(tree, int) or not 2 <= tree <= MAX_K:
+        raise ApiError(
+            f'speculative.tree must be "off", "auto" or a whole number from 2 to {MAX_K} '
+            f"(got {tree!r})",
+            param="speculative",
+        )
+    return str(tree)
 
 
 def _messages(body: dict[str, object]) -> tuple[Message, ...]:

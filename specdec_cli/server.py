@@ -55,7 +55,7 @@ from specdec_cli.api import (
 from specdec_cli.chat import chat_tokens, render
 from specdec_cli.decode import Decoder
 from specdec_cli.display import note, warn
-from specdec_cli.engine import Engine, EngineOptions, Piece
+from specdec_cli.engine import Engine, EngineOptions, Piece, parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.stats import Stats
 
@@ -198,16 +198,27 @@ class Service:
             return default
         if speculation not in self._decoders:
             kind = default.drafter.name if speculation.enabled and default.drafter else None
-            self._decoders[speculation] = self.engine.make_decoder(kind, speculation.k or "1")
+            drafting = self.engine.options.drafting
+            self._decoders[speculation] = self.engine.make_decoder(
+                kind, speculation.k or drafting.k, speculation.tree
+            )
         return self._decoders[speculation]
 
     def check_speculation(self, speculation: Speculation) -> None:
         """A draft length needs a drafter: refuse it before the request is queued."""
         assert self.engine is not None
-        if speculation.k is not None and self.engine.decoder.drafter is None:
+        asks = speculation.k is not None or speculation.tree not in (None, "off")
+        if asks and self.engine.decoder.drafter is None:
             raise ApiError(
                 "this server has no drafter (start it with -d DRAFT or -d ngram); "
                 'send "speculative": false, or leave it out',
+                param="speculative",
+            )
+        nodes, room = parse_tree(speculation.tree or "off"), self.engine.tree_nodes
+        if nodes and (not room or (speculation.tree != "auto" and nodes > room)):
+            raise ApiError(
+                f"speculative.tree {speculation.tree} is wider than this server drafts (start "
+                f"it with --tree {speculation.tree} or wider)",
                 param="speculative",
             )
 
@@ -355,6 +366,7 @@ def timings(stats: Stats) -> dict[str, object]:
         "target_passes": stats.target_passes,
         "tokens_per_pass": stats.tokens_per_pass,
         "k": stats.k,
+        "tree": stats.tree,
     }
 
 

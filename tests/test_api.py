@@ -64,6 +64,9 @@ def test_chat_fields() -> None:
         (False, Speculation(enabled=False)),
         ({"k": 3}, Speculation(k="3")),
         ({"k": "auto"}, Speculation(k="auto")),
+        ({"tree": 8}, Speculation(tree="8")),
+        ({"k": 3, "tree": "auto"}, Speculation(k="3", tree="auto")),
+        ({"tree": "off"}, Speculation(tree="off")),
     ],
 )
 def test_speculative_field(value: object, expected: Speculation) -> None:

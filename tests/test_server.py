@@ -103,7 +103,7 @@ def server(
     tmp_path_factory: pytest.TempPathFactory, target_model: Path, draft_model: Path
 ) -> Iterator[ServerProcess]:
     """With a draft model, an API key, CORS for one origin, and a chat format."""
-    args = ["-m", str(target_model), "-d", str(draft_model), "--api-key", KEY]
+    args = ["-m", str(target_model), "-d", str(draft_model), "--api-key", KEY, "--tree", "8"]
     args += ["--cors", ORIGIN, "--chat-template", "chatml", "--alias", "tiny"]
     proc = start(tmp_path_factory.mktemp("serve"), *args)
     yield proc
@@ -217,6 +217,20 @@ def test_speculative_figures_and_stop(http: httpx.Client, greedy) -> None:
     assert out["text"] == expected[: expected.index(stop)]
 
 
+def test_a_request_drafts_a_tree(http: httpx.Client, greedy) -> None:
+    """Per request, a tree as wide as the server was started with: the same greedy text,
+    with more tokens drafted per round than the chain of the same k."""
+    body = {"prompt": PROMPT, "max_tokens": 2 * N, "temperature": 0}
+    chain = http.post("/v1/completions", json={**body, "speculative": {"k": 3, "tree": "off"}})
+    tree = http.post("/v1/completions", json={**body, "speculative": {"k": 3, "tree": 8}})
+    assert tree.json()["choices"][0]["text"] == greedy(PROMPT, 2 * N)
+    per_round = [
+        r.json()["timings"]["draft_n"] / r.json()["timings"]["target_passes"] for r in (chain, tree)
+    ]
+    assert tree.json()["timings"]["tree"] == "8"
+    assert per_round[1] > per_round[0]
+
+
 def test_stream_chunks_say_where_their_tokens_came_from(http: httpx.Client) -> None:
     body = {"prompt": PROMPT, "max_tokens": 3 * N, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/completions", json={**body, "speculative": {"k": 4}}) as r:
@@ -309,6 +323,9 @@ BAD_FIELDS: list[tuple[str, dict]] = [
     ("/v1/completions", {"prompt": "x", "speculative": {"k": "many"}}),
     ("/v1/completions", {"prompt": "x", "speculative": {"draft": 3}}),
     ("/v1/completions", {"prompt": "x", "speculative": 3}),
+    ("/v1/completions", {"prompt": "x", "speculative": {"tree": 1}}),
+    ("/v1/completions", {"prompt": "x", "speculative": {"tree": "wide"}}),
+    ("/v1/completions", {"prompt": "x", "speculative": {"tree": 9}}),  # the server drafts 8
     ("/v1/completions", {"prompt": "story " * 400}),  # longer than the context (256)
     ("/v1/chat/completions", {}),
     ("/v1/chat/completions", {"messages": []}),
