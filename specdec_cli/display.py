@@ -305,8 +305,13 @@ def plot_figure(report: BenchReport, plt):
     fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
     base = report.median_speed(report.baseline)
     speed_ax.axhline(base, color="grey", linestyle="--", label="target only")
-    for drafter in dict.fromkeys(r.variant.drafter for r in report.results[1:]):
-        mine = [r for r in report.results[1:] if r.variant.drafter == drafter]
+    lines = dict.fromkeys((r.variant.drafter, r.variant.tree) for r in report.results[1:])
+    for drafter, tree in lines:
+        mine = [
+            r for r in report.results[1:] if (r.variant.drafter, r.variant.tree) == (drafter, tree)
+        ]
+        if tree != "off":
+            drafter = f"{drafter}, tree={tree}"
         for auto in (False, True):
             runs = [r for r in mine if (r.variant.k == "auto") == auto]
             if not runs:

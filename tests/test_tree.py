@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from test_decode import PROMPT, generate, open_engine
 
+from specdec_cli.bench import variants, widest_tree
 from specdec_cli.costmodel import Costs
 from specdec_cli.drafters import Draft, NgramDrafter, TreeShape
 from specdec_cli.engine import parse_tree
@@ -211,3 +212,13 @@ def test_ngram_tree_branches_on_every_continuation() -> None:
     lookup.begin(tokens)
     small = lookup.propose(tokens, 2, rng, shape=TreeShape(3, 3, 3))
     assert small.tokens == [c, g, e] and small.parents == [-1, 0, -1]
+
+
+def test_bench_variants_with_trees() -> None:
+    names = [v.name for v in variants(["model"], ["3"], ["off", "auto", "16"])]
+    assert names == ["target only", "model k=3", "model k=3 tree=auto", "model k=3 tree=16"]
+    assert widest_tree(["off", "16", "auto"]) == "auto"  # auto's 32 covers 16
+    assert widest_tree(["off", "64", "auto"]) == "64"
+    assert widest_tree(["off"]) == "off"
+    with pytest.raises(UserError, match="--tree must be"):
+        variants(["model"], ["3"], ["1"])
