@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec_cli.bench import BUILTIN_PROMPTS
-from specdec_cli.costmodel import Costs
+from specdec_cli.costmodel import Costs, verify_cost
 from specdec_cli.drafters import Draft
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions
@@ -36,17 +36,27 @@ DEFAULT_DRAFT = REPO.parent / "shared" / "models" / "stories260K.gguf"
 MAX_K = 8
 
 
-def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
-    """Per prompt: does the draft's greedy choice equal the target's, position by position."""
+def record_texts(engine: Engine, n_predict: int) -> dict[str, tuple[list[int], list[int]]]:
+    """Per built-in prompt: its tokens and the target's greedy continuation (target-only
+    decoding, up to `n_predict` tokens). Greedy speculative decoding writes this same
+    text, so every policy can be replayed on it without the target."""
     target_only = engine.make_decoder(None, "1")
-    draft = engine.draft_ctx
-    matches = {}
+    texts = {}
     for name, text in BUILTIN_PROMPTS.items():
         prompt = engine.tokenize(text)
         generated: list[int] = []
         rng = np.random.default_rng(0)
-        for new in target_only.generate(prompt, n_predict + MAX_K + 1, rng, Stats()):
+        for new in target_only.generate(prompt, n_predict, rng, Stats()):
             generated += new.tokens
+        texts[name] = (prompt, generated)
+    return texts
+
+
+def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
+    """Per prompt: does the draft's greedy choice equal the target's, position by position."""
+    draft = engine.draft_ctx
+    matches = {}
+    for name, (prompt, generated) in record_texts(engine, n_predict + MAX_K + 1).items():
         sequence = prompt + generated
         draft.trim(0)
         draft.decode(sequence, 0, n_logits=len(sequence))
@@ -54,6 +64,13 @@ def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
         guesses = [int(np.argmax(draft.logits(i))) for i in positions]
         matches[name] = np.array(guesses) == np.array(generated)
     return matches
+
+
+def round_cost(costs: Costs, calls: int, batch: int, previous_batch: int) -> float:
+    """A round's cost in target-token times: its draft calls, the target's pass over
+    `batch` tokens, and a graph rebuild if the previous pass had another batch size."""
+    switch = costs.switch if batch != previous_batch else 0.0
+    return calls * costs.draft_over_target + verify_cost(costs.verify, batch) + switch
 
 
 def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs) -> float:
@@ -67,11 +84,11 @@ def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs)
             accepted += 1
         calls = k + 1 if k and whole else k
         draft_cost = calls * costs.draft_over_target
-        verify_cost = costs.verify[k + 1] + (costs.switch if k != last_k else 0.0)
+        cost = round_cost(costs, calls, k + 1, last_k + 1)
         policy.observe(
-            Draft(tokens=[0] * k, calls=calls), accepted, draft_cost * t, verify_cost * t
+            Draft(tokens=[0] * k, calls=calls), accepted, draft_cost * t, (cost - draft_cost) * t
         )
-        spent += draft_cost + verify_cost
+        spent += cost
         done += accepted + 1
         last_k, whole = k, k > 0 and accepted == k
     return done / spent

@@ -1,0 +1,269 @@
+"""Replay draft trees and chains on a pair's recorded text, charging any cost curve.
+
+Whether a draft tree pays depends on what verifying more tokens costs, and that is the
+machine's: on this CPU a wider batch costs nearly proportionally more, on a GPU almost
+nothing up to some width. So the design is judged on modelled costs, not timings.
+
+Greedy decoding makes the replay exact. The target's greedy text is recorded once per
+built-in prompt (target-only decoding); speculative decoding writes that same text.
+Each policy then runs the real draft model (`ModelDrafter.propose` with the policy's
+draft length and tree shape, fed the accepted tokens as the decode loop feeds it), and
+each round accepts what greedy tree verification would: the longest root path that
+matches the recorded text (the target's argmax after a matching path is the text's
+next token), plus the target's own token. A round costs its draft calls, the target's
+pass over all its draft tokens plus one, and a graph rebuild when the batch size
+changes (`replay_draft_length.round_cost`); target-only decoding costs 1 per token.
+
+Cost curves, in one-token target passes:
+  measured  this machine's, for these models (`Engine.costs`: measured once, then
+            kept on disk, so reruns give the same figures);
+  gpu       verifying 2-16 tokens costs 1.05, each token past 16 another 0.05;
+            a draft call 0.05; no rebuild cost;
+  steep     verifying n tokens costs 1 + 0.45 (n - 1); a draft call 0.05; no rebuild.
+A draft call is charged the same whether it evaluates one tree node or several.
+
+    python benchmarks/replay_tree.py [--target T.gguf --draft D.gguf] [-n 128]
+        [--curve measured gpu steep] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+from replay_draft_length import DEFAULT_DRAFT, record_texts, round_cost  # noqa: E402
+
+from specdec_cli.costmodel import Costs, verify_cost  # noqa: E402
+from specdec_cli.drafters import Draft, ModelDrafter  # noqa: E402
+from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
+from specdec_cli.engine import AUTO_TREE_NODES, DraftOptions, Engine, EngineOptions  # noqa: E402
+from specdec_cli.sampling import GREEDY, verify_tree_greedy  # noqa: E402
+from specdec_cli.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
+
+DEFAULT_TARGET = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
+MAX_K = DraftOptions().draft_max  # chains up to -k auto's longest draft (16)
+# FixedTree sizes replayed, those larger than k: verification batches of 4, 8, 16 and 32
+# tokens (16: all of the gpu curve's flat part)...
+TREE_NODES = (3, 7, 15, 31)
+TREE_KS = (2, 3, 4, 5, 6, 8, 10)  # ...at these depths, and at the best chain's k
+
+
+def model_curve(verify: Iterable[tuple[int, float]]) -> Costs:
+    """A modelled curve: verify costs as given, a draft call 0.05 of a target token,
+    no rebuild cost; time in target-token units (target_seconds = 1)."""
+    return Costs(target_seconds=1.0, draft_over_target=0.05, verify=dict(verify))
+
+
+BATCHES = range(1, AUTO_TREE_NODES + 2)
+MODEL_CURVES = {
+    "gpu": model_curve((n, 1.0 if n == 1 else 1.05 + 0.05 * max(0, n - 16)) for n in BATCHES),
+    "steep": model_curve((n, 1.0 + 0.45 * (n - 1)) for n in BATCHES),
+}
+CURVES = ("measured", *MODEL_CURVES)
+
+
+@dataclass(frozen=True)
+class Round:
+    calls: int  # draft model decode calls
+    batch: int  # tokens in the target's verification pass
+    tokens: int  # tokens the round yields: the accepted path and the target's own
+
+
+@dataclass(frozen=True)
+class Policy:
+    k: int | None  # the draft length; None: AutoLength (-k auto)
+    tree: int | str | None = None  # FixedTree's nodes, "auto" (AutoTree), None: chains
+
+    @property
+    def name(self) -> str:
+        return f"k={self.k or 'auto'}" + ("" if self.tree is None else f" tree {self.tree}")
+
+    @property
+    def learns_costs(self) -> bool:
+        """Whether its rounds depend on the cost curve (it chooses from the costs)."""
+        return self.k is None or self.tree == "auto"
+
+    def make(self, costs: Costs) -> tuple[DraftLength, TreePolicy | None]:
+        """Fresh policies, as one `specdec run -k K --tree T` makes them."""
+        length: DraftLength = (
+            FixedLength(self.k) if self.k else AutoLength(costs, 0, MAX_K, uses_confidence=False)
+        )
+        if self.tree is None:
+            return length, None
+        if self.tree == "auto":
+            return length, AutoTree(costs, AUTO_TREE_NODES)
+        return length, FixedTree(int(self.tree))
+
+
+def accepted_path(draft: Draft, truth: list[int]) -> list[int]:
+    """The nodes greedy verification accepts when the target's text goes on as `truth`:
+    the target's argmax at a row is the text's token at that row's depth."""
+    parents = draft.parent_list()
+    depth = [0]  # by target row: row 0 is the root, row j + 1 follows node j
+    for parent in parents:
+        depth.append(depth[parent + 1] + 1)
+    path, _ = verify_tree_greedy(draft.tokens, parents, lambda row: truth[depth[row]])
+    return path
+
+
+def simulate(
+    drafter: ModelDrafter,
+    prompt: list[int],
+    text: list[int],
+    length: DraftLength,
+    tree: TreePolicy | None,
+) -> list[Round]:
+    """The rounds of one generation of `text`, as the decode loop would run them: the
+    same choices, the same calls to the drafter, the same observations (untimed). The
+    text's end is taken for -n's (where the target stopped on its own, a real run would
+    not know it was coming and might draft past it)."""
+    drafter.begin(prompt)
+    rng = np.random.default_rng(0)  # greedy drafting draws nothing; propose wants one
+    rounds: list[Round] = []
+    done = 0
+    while done < len(text):
+        limit = len(text) - done - 1
+        k = length.choose(limit)
+        shape = tree.shape(k, limit) if tree and k > 0 else None
+        tokens = prompt + text[:done]
+        draft = drafter.propose(tokens, k, rng, shape=shape) if k > 0 else Draft()
+        path = accepted_path(draft, text[done:])
+        length.observe(draft, len(path), None, None)
+        if tree:
+            tree.observe(draft, path)
+        rounds.append(Round(draft.calls, len(draft.tokens) + 1, len(path) + 1))
+        done += len(path) + 1
+    return rounds
+
+
+def charge(rounds: Iterable[list[Round]], costs: Costs) -> tuple[int, int, float]:
+    """Tokens, target passes and cost (target-token times) of some generations."""
+    tokens = passes = 0
+    cost = 0.0
+    for generation in rounds:
+        previous = -1
+        for r in generation:
+            cost += round_cost(costs, r.calls, r.batch, previous)
+            tokens, passes, previous = tokens + r.tokens, passes + 1, r.batch
+    return tokens, passes, cost
+
+
+class Replay:
+    """Every policy's rounds on the recorded texts, each replayed once: a policy that
+    does not read the costs drafts the same under every curve."""
+
+    def __init__(self, drafter: ModelDrafter, texts: dict[str, tuple[list[int], list[int]]]):
+        self.drafter, self.texts = drafter, texts
+        self._rounds: dict[tuple[Policy, str], list[list[Round]]] = {}
+
+    def rounds(self, policy: Policy, curve: str, costs: Costs) -> list[list[Round]]:
+        key = (policy, curve if policy.learns_costs else "")
+        if key not in self._rounds:
+            self._rounds[key] = [
+                simulate(self.drafter, prompt, text, *policy.make(costs))
+                for prompt, text in self.texts.values()
+            ]
+        return self._rounds[key]
+
+    def figures(self, policy: Policy, curve: str, costs: Costs) -> dict[str, float]:
+        tokens, passes, cost = charge(self.rounds(policy, curve, costs), costs)
+        return {"tokens_per_pass": tokens / passes, "speedup": tokens / cost}
+
+
+def judge(replay: Replay, curve: str, costs: Costs) -> dict[str, Any]:
+    """Every policy's figures under one curve, against the best chain; and the headline:
+    the best tree against the best chain, and the best tree at that chain's k."""
+    chains = [Policy(k) for k in range(1, MAX_K + 1)]
+    figures = {p: replay.figures(p, curve, costs) for p in chains}
+    best = max(chains, key=lambda p: figures[p]["speedup"])
+    assert best.k is not None
+    ks = sorted({*TREE_KS, best.k})
+    trees = [Policy(k, n) for k in ks for n in TREE_NODES if n > k]  # else a chain
+    trees += [Policy(best.k, "auto"), Policy(None, "auto")]
+    for policy in [*trees, Policy(None)]:
+        figures[policy] = replay.figures(policy, curve, costs)
+    for f in figures.values():
+        f["vs_best_chain"] = f["speedup"] / figures[best]["speedup"]
+    best_tree = max(trees, key=lambda p: figures[p]["speedup"])
+    at_k = max((p for p in trees if p.k == best.k), key=lambda p: figures[p]["speedup"])
+    return {
+        "costs": costs.to_dict(),
+        "policies": {p.name: f for p, f in figures.items()},
+        "best_chain": best.name,
+        "best_tree": best_tree.name,
+        "best_tree_vs_best_chain": figures[best_tree]["vs_best_chain"],
+        "best_tree_at_k": at_k.name,
+        "tokens_per_pass_ratio_at_k": figures[at_k]["tokens_per_pass"]
+        / figures[best]["tokens_per_pass"],
+    }
+
+
+def describe(costs: Costs) -> str:
+    """The curve in one line: the draft call, and verification at a few batch sizes."""
+    sizes = (2, 3, 4, 5, 9, 16, 17, AUTO_TREE_NODES + 1)
+    verify = ", ".join(f"{n}: {verify_cost(costs.verify, n):.2f}" for n in sizes)
+    return f"draft call {costs.draft_over_target:.3f}, verify {verify}, rebuild {costs.switch:.2f}"
+
+
+def report(curve: str, costs: Costs, result: dict[str, Any]) -> None:
+    print(f"\n{curve}: {describe(costs)}")
+    print("policy\ttokens/pass\tspeedup\tvs best chain")
+    for name, f in result["policies"].items():
+        print(f"{name}\t{f['tokens_per_pass']:.2f}\t{f['speedup']:.3f}\t{f['vs_best_chain']:.3f}")
+    print(
+        f"{curve}: best tree {result['best_tree']} vs best chain {result['best_chain']}: "
+        f"{result['best_tree_vs_best_chain']:.3f}x speedup; at {result['best_chain']}, "
+        f"{result['best_tree_at_k']}: {result['tokens_per_pass_ratio_at_k']:.3f}x tokens/pass"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
+    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    parser.add_argument("-n", type=int, default=128, help="tokens per prompt (default 128)")
+    parser.add_argument("-t", type=int, default=2, help="threads (default 2)")
+    parser.add_argument("--curve", nargs="+", choices=CURVES, default=CURVES)
+    parser.add_argument("--json", type=Path, help="write every figure here")
+    args = parser.parse_args()
+    options = EngineOptions(
+        target=args.target,
+        draft=args.draft,
+        n_ctx=512,
+        threads=args.t,
+        sampling=GREEDY,
+        # Contexts with room for --tree auto's largest trees, MAX_K deep.
+        drafting=DraftOptions(k=str(MAX_K), tree=str(AUTO_TREE_NODES)),
+    )
+    with Engine(options) as engine:
+        assert engine.draft_ctx is not None
+        texts = record_texts(engine, args.n)
+        curves = {
+            name: engine.costs() if name == "measured" else MODEL_CURVES[name]
+            for name in args.curve
+        }
+        drafter = ModelDrafter(engine.draft_ctx, GREEDY, engine.model.n_vocab)
+        replay = Replay(drafter, texts)
+        results = {name: judge(replay, name, costs) for name, costs in curves.items()}
+    print(
+        f"{args.target.name} + {args.draft.name}: "
+        + ", ".join(f"{name} {len(text)} tokens" for name, (_, text) in texts.items())
+    )
+    for name, result in results.items():
+        report(name, curves[name], result)
+    if args.json:
+        pair = {"target": str(args.target), "draft": str(args.draft), "n": args.n}
+        args.json.write_text(json.dumps({**pair, "curves": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""benchmarks/replay_tree.py: its replayed rounds are a real greedy run's rounds."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import Counter
+from pathlib import Path
+from types import ModuleType
+
+import numpy as np
+import pytest
+
+from specdec_cli.drafters import Draft, ModelDrafter
+from specdec_cli.engine import DraftOptions, Engine, EngineOptions
+from specdec_cli.sampling import GREEDY
+from specdec_cli.stats import Stats
+
+N_PREDICT = 40
+
+
+@pytest.fixture(scope="module")
+def replay_tree() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_tree.py"
+    spec = importlib.util.spec_from_file_location("replay_tree", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_accepted_path_follows_the_text_down_the_tree(replay_tree: ModuleType) -> None:
+    # 5 -> 7 and 6 -> 8 from the root; the text goes 6, 8, 9: the second branch, whole.
+    draft = Draft(tokens=[5, 7, 6, 8], parents=[-1, 0, -1, 2])
+    assert replay_tree.accepted_path(draft, [6, 8, 9]) == [2, 3]
+    assert replay_tree.accepted_path(Draft(tokens=[6, 9]), [6, 8, 9]) == [0]
+
+
+@pytest.mark.parametrize("tree", [None, 8])
+def test_replay_has_the_rounds_of_a_real_run(
+    replay_tree: ModuleType, target_model: Path, draft_model: Path, tree: int | None
+) -> None:
+    """Per built-in prompt, the rounds replayed on the target's recorded text are a real
+    greedy run's with the same k and tree: the tokens each kept, the batches the target
+    verified, the draft calls made."""
+    drafting = DraftOptions(k="3", tree="off" if tree is None else str(tree))
+    options = EngineOptions(
+        target=target_model, draft=draft_model, n_ctx=256, threads=1, sampling=GREEDY,
+        drafting=drafting,
+    )  # fmt: skip
+    policy = replay_tree.Policy(3, tree)
+    with Engine(options) as engine:
+        assert engine.draft_ctx is not None
+        drafter = ModelDrafter(engine.draft_ctx, GREEDY, engine.model.n_vocab)
+        for prompt, text in replay_tree.record_texts(engine, N_PREDICT).values():
+            stats = Stats()
+            real = list(engine.decoder.generate(prompt, N_PREDICT, np.random.default_rng(0), stats))
+            assert stats.stop_reason == "length"
+            assert [t for r in real for t in r.tokens] == text
+            rounds = replay_tree.simulate(drafter, prompt, text, *policy.make(None))
+            assert [r.tokens for r in rounds] == [len(r.tokens) for r in real]
+            assert Counter(r.batch for r in rounds) == stats.batch_sizes
+            assert sum(r.calls for r in rounds) == stats.draft_calls
