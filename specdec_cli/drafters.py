@@ -77,14 +77,17 @@ class Draft:
 class TreeShape:
     """How one round's draft may grow. Depth d (from 0) adds children to the `width`
     likeliest nodes of depth d-1, up to `branch` each; at most `nodes` tokens are kept,
-    the likeliest paths first (a node's score is the draft's probability of its whole
-    path). Side nodes (not first children) below `min_score` are not drafted. A chain:
-    nodes = k, width = branch = 1."""
+    the primary path (first children) first, then the likeliest others (a node's score
+    is the draft's probability of its whole path). Side nodes (not first children)
+    below `min_score` are not drafted, and the n-th token kept (counting from 1) must
+    score at least `bars[n - 1]`, where given: what a token more in the batch costs
+    differs with the batch's size. A chain: nodes = k, width = branch = 1."""
 
     nodes: int
     width: int = 1
     branch: int = 1
     min_score: float = 0.0
+    bars: tuple[float, ...] = ()
 
     @property
     def is_chain(self) -> bool:
@@ -278,7 +281,8 @@ class _Growth:
         shape, draft = self.shape, self.draft
         on_primary = node < 0 or self.primary[node]
         parent_score = self.scores[node] if node >= 0 else 1.0
-        need_confidence = self.keep_drafting is not None
+        # A tree's ranks (and AutoTree's calibration) need every node's probability.
+        need_confidence = self.keep_drafting is not None or not shape.is_chain
         ids, probs, dists = self.drafter.children(logits, self.rng, shape.branch, need_confidence)
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
             return []
@@ -324,17 +328,24 @@ class _Growth:
         self.draft.calls += 1
         return nodes
 
+    def _worth_keeping(self, ranked: list[int]) -> int:
+        """How many of the ranked nodes to keep: the primary path, then others while
+        each scores at least the bar for its place in the batch."""
+        n, bars = min(len(ranked), self.shape.nodes), self.shape.bars
+        for place in range(n):
+            i = ranked[place]
+            if not self.primary[i] and place < len(bars) and self.scores[i] < bars[place]:
+                return place
+        return n
+
     def _kept(self) -> Draft:
         """The draft cut to the likeliest `nodes` tokens, the primary path first."""
         draft, n = self.draft, len(self.draft.tokens)
         if self.shape.is_chain:
             draft.parents = None
             return draft
-        keep = sorted(
-            sorted(range(n), key=lambda i: (not self.primary[i], -self.scores[i], i))[
-                : self.shape.nodes
-            ]
-        )
+        ranked = sorted(range(n), key=lambda i: (not self.primary[i], -self.scores[i], i))
+        keep = sorted(ranked[: self._worth_keeping(ranked)])
         index = {old: new for new, old in enumerate(keep)}
         index[-1] = -1
         parents = [index[(draft.parents or [])[i]] for i in keep]

@@ -57,10 +57,12 @@ class AutoTree:
     Tokens per unit of cost (one target token's time) of the rounds so far, R, come
     from the measured costs, not the clock, so that a seed reproduces its text. A node
     whose path the draft gives probability s (times how often such alternatives have
-    been right against the draft's own odds) adds s tokens to a round and costs the
-    verification of one more token, dv; it is worth it if s > R * dv, counting a
-    compute graph rebuild too (the batch size changes). Where verification cost grows
-    steeply with the batch (this kind of CPU), that bar is high and rounds stay chains.
+    been right against the draft's own odds) adds s tokens to a round; as the n-th
+    token of the batch it costs dv(n), what the measured curve adds from n to n + 1
+    tokens; it is worth it if s > R * dv(n), counting a compute graph rebuild for the
+    first beyond the chain (the batch size changes). Where verification cost grows
+    steeply with the batch (this kind of CPU), the bars are high and rounds stay
+    chains; where it is flat up to some size (a GPU), trees fill it and stop there.
     """
 
     DECAY = 0.93  # per round, for the running rate and the calibration
@@ -71,18 +73,27 @@ class AutoTree:
         self.rate = 1.0  # tokens per unit of cost: target-only to start
         self.hits = self.expected = 1.0  # side nodes right, and as the draft expected
 
-    def min_score(self, k: int) -> float:
-        """The smallest path probability a side node needs to pay for itself."""
-        verify = self.costs.verify
-        extra = verify_cost(verify, k + 2) - verify_cost(verify, k + 1) + self.costs.switch
-        return self.rate * max(extra, 0.0) * self.expected / self.hits
+    def bars(self, k: int, nodes: int) -> tuple[float, ...]:
+        """The smallest path probability the n-th draft token (n = 1..nodes) needs to pay
+        for itself: the rate times what it adds to the batch's cost (the first beyond the
+        k-token chain also changes the batch size: a graph rebuild)."""
+        verify, scale = self.costs.verify, self.rate * self.expected / self.hits
+        bars = []
+        for n in range(1, nodes + 1):
+            extra = verify_cost(verify, n + 1) - verify_cost(verify, n)
+            extra += self.costs.switch if n == k + 1 else 0.0
+            bars.append(scale * max(extra, 0.0))
+        return tuple(bars)
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
         nodes = min(self.max_nodes, limit)
-        bar = self.min_score(k)
-        if nodes <= k or bar >= 1.0:
+        if nodes <= k:
             return None
-        return TreeShape(nodes, MAX_WIDTH, MAX_WIDTH, min_score=bar)
+        bars = self.bars(k, nodes)
+        lowest = min(bars[k:])
+        if lowest >= 1.0:  # no side node could pay: a chain
+            return None
+        return TreeShape(nodes, MAX_WIDTH, MAX_WIDTH, min_score=lowest, bars=bars)
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         if not draft.tokens:

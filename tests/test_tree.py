@@ -160,11 +160,35 @@ def test_auto_tree_follows_the_cost_curve() -> None:
 def test_auto_tree_calibrates_on_what_branches_earned() -> None:
     """Side nodes the draft was sure of but the target never took raise the bar."""
     policy = AutoTree(flat_costs(0.05), 32)
-    before = policy.min_score(3)
+    before = policy.bars(3, 8)[3]
     draft = Draft([1, 2, 3], confidences=[0.9, 0.8, 0.8], parents=[-1, -1, -1], calls=1)
     for _ in range(20):
         policy.observe(draft, [])
-    assert policy.min_score(3) > 2 * before
+    assert policy.bars(3, 8)[3] > 2 * before
+
+
+def knee_costs(flat_to: int) -> Costs:
+    """Verifying up to `flat_to` tokens costs as much as one; each more, a whole pass."""
+    return Costs(0.01, 0.05, {n: 1.0 + max(0, n - flat_to) for n in range(1, 34)})
+
+
+def test_auto_tree_bars_follow_the_curve() -> None:
+    bars = AutoTree(knee_costs(8), 32).bars(3, 16)
+    assert all(bar == 0.0 for bar in bars[:7])  # tokens 1-7: a batch of at most 8
+    assert all(bar >= 1.0 for bar in bars[7:])  # beyond: more than any path is worth
+
+
+def test_auto_tree_fills_the_flat_part_of_the_curve(
+    target_model: Path, draft_model: Path, reference
+) -> None:
+    """Where 8 tokens cost as much as 1 and each more a whole pass, trees grow to 7
+    draft tokens (a batch of 8), never beyond, and stay lossless."""
+    with open_engine(target_model, draft_model, 3, GREEDY, tree="auto") as engine:
+        decoder = engine.make_decoder("model", "3", "auto")
+        decoder.tree = AutoTree(knee_costs(8), 32)
+        out, stats = generate(engine, 64, decoder=decoder)
+    assert out == reference
+    assert max(stats.batch_sizes) == 8
 
 
 def test_tried_side_nodes() -> None:
