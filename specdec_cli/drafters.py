@@ -281,7 +281,7 @@ class _Growth:
         shape, draft = self.shape, self.draft
         on_primary = node < 0 or self.primary[node]
         parent_score = self.scores[node] if node >= 0 else 1.0
-        # A tree's ranks (and AutoTree's calibration) need every node's probability.
+        # A tree's ranks need every node's probability.
         need_confidence = self.keep_drafting is not None or not shape.is_chain
         ids, probs, dists = self.drafter.children(logits, self.rng, shape.branch, need_confidence)
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):

@@ -56,8 +56,7 @@ class AutoTree:
 
     Tokens per unit of cost (one target token's time) of the rounds so far, R, come
     from the measured costs, not the clock, so that a seed reproduces its text. A node
-    whose path the draft gives probability s (times how often such alternatives have
-    been right against the draft's own odds) adds s tokens to a round; as the n-th
+    whose path the draft gives probability s adds about s tokens to a round; as the n-th
     token of the batch it costs dv(n), what the measured curve adds from n to n + 1
     tokens; it is worth it if s > R * dv(n), counting a compute graph rebuild for the
     first beyond the chain (the batch size changes). Where verification cost grows
@@ -65,24 +64,23 @@ class AutoTree:
     chains; where it is flat up to some size (a GPU), trees fill it and stop there.
     """
 
-    DECAY = 0.93  # per round, for the running rate and the calibration
+    DECAY = 0.93  # per round, for the running rate
 
     def __init__(self, costs: Costs, max_nodes: int) -> None:
         self.costs = costs
         self.max_nodes = max_nodes
         self.rate = 1.0  # tokens per unit of cost: target-only to start
-        self.hits = self.expected = 1.0  # side nodes right, and as the draft expected
 
     def bars(self, k: int, nodes: int) -> tuple[float, ...]:
         """The smallest path probability the n-th draft token (n = 1..nodes) needs to pay
         for itself: the rate times what it adds to the batch's cost (the first beyond the
         k-token chain also changes the batch size: a graph rebuild)."""
-        verify, scale = self.costs.verify, self.rate * self.expected / self.hits
+        verify = self.costs.verify
         bars = []
         for n in range(1, nodes + 1):
             extra = verify_cost(verify, n + 1) - verify_cost(verify, n)
             extra += self.costs.switch if n == k + 1 else 0.0
-            bars.append(scale * max(extra, 0.0))
+            bars.append(self.rate * max(extra, 0.0))
         return tuple(bars)
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
@@ -101,26 +99,3 @@ class AutoTree:
         costs, batch = self.costs, len(draft.tokens) + 1
         cost = draft.calls * costs.draft_over_target + verify_cost(costs.verify, batch)
         self.rate += (1.0 - self.DECAY) * ((len(path) + 1) / cost - self.rate)
-        if draft.parents is None or not draft.confidences:
-            return
-        for node, hit in tried_side_nodes(draft.parents, path):
-            self.hits = self.DECAY * self.hits + hit
-            self.expected = self.DECAY * self.expected + draft.confidences[node]
-
-
-def tried_side_nodes(parents: list[int], path: list[int]) -> list[tuple[int, bool]]:
-    """The alternatives (not first children) that verification tried, and whether each
-    was accepted: at each node of the accepted path, and at its end, the children in
-    order up to the accepted one (all of them after the last accepted node)."""
-    children: dict[int, list[int]] = {}
-    for i, parent in enumerate(parents):
-        children.setdefault(parent, []).append(i)
-    tried = []
-    for depth, node in enumerate([-1, *path]):
-        accepted = path[depth] if depth < len(path) else None
-        for place, child in enumerate(children.get(node, [])):
-            if place:
-                tried.append((child, child == accepted))
-            if child == accepted:
-                break
-    return tried

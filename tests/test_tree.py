@@ -17,7 +17,7 @@ from specdec_cli.engine import parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context, ContextParams, Model
 from specdec_cli.sampling import GREEDY
-from specdec_cli.treeshape import AutoTree, FixedTree, tried_side_nodes
+from specdec_cli.treeshape import AutoTree, FixedTree
 
 # A tree hanging from the last prompt token (index 0 of the call): three children, the
 # first with two of its own, the third with one.
@@ -157,16 +157,6 @@ def test_auto_tree_follows_the_cost_curve() -> None:
     assert shape is not None and shape.nodes == 32 and shape.min_score < 0.01
 
 
-def test_auto_tree_calibrates_on_what_branches_earned() -> None:
-    """Side nodes the draft was sure of but the target never took raise the bar."""
-    policy = AutoTree(flat_costs(0.05), 32)
-    before = policy.bars(3, 8)[3]
-    draft = Draft([1, 2, 3], confidences=[0.9, 0.8, 0.8], parents=[-1, -1, -1], calls=1)
-    for _ in range(20):
-        policy.observe(draft, [])
-    assert policy.bars(3, 8)[3] > 2 * before
-
-
 def knee_costs(flat_to: int) -> Costs:
     """Verifying up to `flat_to` tokens costs as much as one; each more, a whole pass."""
     return Costs(0.01, 0.05, {n: 1.0 + max(0, n - flat_to) for n in range(1, 34)})
@@ -189,15 +179,6 @@ def test_auto_tree_fills_the_flat_part_of_the_curve(
         out, stats = generate(engine, 64, decoder=decoder)
     assert out == reference
     assert max(stats.batch_sizes) == 8
-
-
-def test_tried_side_nodes() -> None:
-    parents = [-1, -1, -1, 0, 0, 2]
-    # Accepted 2 (third child of the root), then its only child 5.
-    assert tried_side_nodes(parents, [2, 5]) == [(1, False), (2, True)]
-    # Accepted 0 then nothing: the root's first child only, then 0's children, all tried.
-    assert tried_side_nodes(parents, [0]) == [(4, False)]
-    assert tried_side_nodes(parents, []) == [(1, False), (2, False)]
 
 
 def test_draft_paths() -> None:
