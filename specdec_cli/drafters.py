@@ -16,7 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from specdec_cli.llama import Context
-from specdec_cli.sampling import Dist, SamplingParams, chain_parents, distribution, top_k_ids
+from specdec_cli.sampling import Dist, SamplingParams, chain_parents, distribution
 
 
 @dataclass
@@ -79,15 +79,18 @@ class TreeShape:
     likeliest nodes of depth d-1, up to `branch` each; at most `nodes` tokens are kept,
     the primary path (first children) first, then the likeliest others (a node's score
     is the draft's probability of its whole path). Side nodes (not first children)
-    below `min_score` are not drafted, and the n-th token kept (counting from 1) must
-    score at least `bars[n - 1]`, where given: what a token more in the batch costs
-    differs with the batch's size. A chain: nodes = k, width = branch = 1."""
+    below `min_score` are not drafted. With `verify` (the target's cost of a batch of
+    n tokens at n - 1, in one-token passes) and `draft_call` (a draft call's cost), the
+    kept tokens are cut to the number that maximises the round's expected tokens per
+    cost: 1 plus the kept scores, over the draft calls and the verification. A chain:
+    nodes = k, width = branch = 1."""
 
     nodes: int
     width: int = 1
     branch: int = 1
     min_score: float = 0.0
-    bars: tuple[float, ...] = ()
+    verify: tuple[float, ...] = ()
+    draft_call: float = 0.0
 
     @property
     def is_chain(self) -> bool:
@@ -95,6 +98,10 @@ class TreeShape:
 
 
 KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft confidence)
+# A tree node's probability: the tokens within NEAR_TOP of the top logit exactly, the
+# rest from every TAIL_STRIDE-th (see ModelDrafter._likeliest).
+NEAR_TOP = 4.0
+TAIL_STRIDE = 16
 
 
 class Drafter(Protocol):
@@ -199,13 +206,10 @@ class ModelDrafter:
         """
         if self.sampling.greedy:
             token = int(np.argmax(logits))
-            if n == 1 and not need_confidence:
-                return [token], [1.0], [None]
-            top = self._top_probability(logits, token)
-            others = [int(t) for t in _likeliest(logits, n) if t != token]
-            ids = [token, *others[: n - 1]]
-            probs = [top * float(np.exp(logits[t] - logits[token])) for t in ids]
-            return ids, probs, [None] * len(ids)
+            if n == 1:
+                confidence = self._top_probability(logits, token) if need_confidence else 1.0
+                return [token], [confidence], [None]
+            return *self._likeliest(logits, token, n), [None] * n
         ids, probs, dists = [], [], []
         q: Dist | None = distribution(logits, self.sampling)
         while q is not None and len(ids) < n:
@@ -216,6 +220,28 @@ class ModelDrafter:
             q = q.without(ids[-1]) if len(ids) < n else None
         return ids, probs, dists
 
+    def _likeliest(self, logits: np.ndarray, top: int, n: int) -> tuple[list[int], list[float]]:
+        """The n likeliest tokens (`top` the first) and the draft's probability of each.
+
+        These shape a tree; they decide nothing about the text. So the normaliser is
+        estimated: exact over the tokens within NEAR_TOP of the top logit, and from
+        every TAIL_STRIDE-th token below that, which spares an exp over the whole
+        vocabulary (152k-262k tokens) for every node a tree extends."""
+        if self._scratch.shape != logits.shape:
+            self._scratch = np.empty_like(logits)
+        rest = self._scratch
+        np.copyto(rest, logits)
+        ids = [top]
+        for _ in range(n - 1):  # n - 1 more argmax passes: cheaper than any sort
+            rest[ids[-1]] = -np.inf
+            ids.append(int(np.argmax(rest)))
+        best = float(logits[top])
+        head = logits[logits >= best - NEAR_TOP]
+        tail = logits[::TAIL_STRIDE]
+        tail = tail[tail < best - NEAR_TOP]
+        total = float(np.exp(head - best).sum()) + TAIL_STRIDE * float(np.exp(tail - best).sum())
+        return ids, [float(np.exp(logits[t] - best)) / total for t in ids]
+
     def _top_probability(self, logits: np.ndarray, top: int) -> float:
         """softmax(logits)[top], computed in a buffer kept for the purpose, so that no
         vocabulary-sized array is allocated per token."""
@@ -224,12 +250,6 @@ class ModelDrafter:
         np.subtract(logits, logits[top], out=self._scratch)
         np.exp(self._scratch, out=self._scratch)
         return float(1.0 / self._scratch.sum())
-
-
-def _likeliest(logits: np.ndarray, n: int) -> np.ndarray:
-    """The ids of the n largest logits, largest first (lower id first among equals)."""
-    ids = top_k_ids(logits, n)
-    return ids[np.argsort(-logits[ids], kind="stable")]
 
 
 class _Growth:
@@ -329,14 +349,21 @@ class _Growth:
         return nodes
 
     def _worth_keeping(self, ranked: list[int]) -> int:
-        """How many of the ranked nodes to keep: the primary path, then others while
-        each scores at least the bar for its place in the batch."""
-        n, bars = min(len(ranked), self.shape.nodes), self.shape.bars
-        for place in range(n):
-            i = ranked[place]
-            if not self.primary[i] and place < len(bars) and self.scores[i] < bars[place]:
-                return place
-        return n
+        """How many of the ranked nodes to keep: all the shape allows, or with its costs,
+        the primary path and then as many others as make the most expected tokens per
+        cost (a curve can be uneven: 4 tokens may cost less than 3)."""
+        shape = self.shape
+        n = min(len(ranked), shape.nodes)
+        if not shape.verify:
+            return n
+        drafted = self.draft.calls * shape.draft_call
+        best, best_rate, expected = 0, 0.0, 1.0
+        for place, i in enumerate(ranked[:n]):
+            expected += self.scores[i]
+            rate = expected / (drafted + shape.verify[place + 1])
+            if self.primary[i] or rate > best_rate:
+                best, best_rate = place + 1, rate
+        return best
 
     def _kept(self) -> Draft:
         """The draft cut to the likeliest `nodes` tokens, the primary path first."""

@@ -54,14 +54,15 @@ class AutoTree:
     """--tree auto: a node beside the chain is drafted only when it adds more expected
     tokens than its verification costs at the running rate.
 
-    Tokens per unit of cost (one target token's time) of the rounds so far, R, come
-    from the measured costs, not the clock, so that a seed reproduces its text. A node
-    whose path the draft gives probability s adds about s tokens to a round; as the n-th
-    token of the batch it costs dv(n), what the measured curve adds from n to n + 1
-    tokens; it is worth it if s > R * dv(n), counting a compute graph rebuild for the
-    first beyond the chain (the batch size changes). Where verification cost grows
-    steeply with the batch (this kind of CPU), the bars are high and rounds stay
-    chains; where it is flat up to some size (a GPU), trees fill it and stop there.
+    A node whose path the draft gives probability s adds about s tokens to a round.
+    Once drafted, the tree is cut to the size that makes the most expected tokens per
+    unit of cost (one target token's time), from the measured cost of each batch size:
+    where verification is flat up to some size (a GPU), trees fill it and stop there.
+    Before drafting, if even a token the draft is sure of could not pay for its place
+    at the running rate R (tokens per unit of cost, from the measured costs, not the
+    clock, so that a seed reproduces its text), the round is a chain: where each token
+    more in a batch costs a good part of a pass (this kind of CPU), rounds stay chains
+    at no extra work.
     """
 
     DECAY = 0.93  # per round, for the running rate
@@ -69,29 +70,34 @@ class AutoTree:
     def __init__(self, costs: Costs, max_nodes: int) -> None:
         self.costs = costs
         self.max_nodes = max_nodes
+        # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
+        self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
         self.rate = 1.0  # tokens per unit of cost: target-only to start
-
-    def bars(self, k: int, nodes: int) -> tuple[float, ...]:
-        """The smallest path probability the n-th draft token (n = 1..nodes) needs to pay
-        for itself: the rate times what it adds to the batch's cost (the first beyond the
-        k-token chain also changes the batch size: a graph rebuild)."""
-        verify = self.costs.verify
-        bars = []
-        for n in range(1, nodes + 1):
-            extra = verify_cost(verify, n + 1) - verify_cost(verify, n)
-            extra += self.costs.switch if n == k + 1 else 0.0
-            bars.append(self.rate * max(extra, 0.0))
-        return tuple(bars)
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
         nodes = min(self.max_nodes, limit)
         if nodes <= k:
             return None
-        bars = self.bars(k, nodes)
-        lowest = min(bars[k:])
-        if lowest >= 1.0:  # no side node could pay: a chain
+        bar = self.rate * self.cheapest_extra(k, nodes)
+        if bar >= 1.0:  # not even a certain token beside the chain would pay: a chain
             return None
-        return TreeShape(nodes, MAX_WIDTH, MAX_WIDTH, min_score=lowest, bars=bars)
+        return TreeShape(
+            nodes,
+            MAX_WIDTH,
+            MAX_WIDTH,
+            min_score=max(0.0, bar),
+            verify=self.verify[: nodes + 1],
+            draft_call=self.costs.draft_over_target,
+        )
+
+    def cheapest_extra(self, k: int, nodes: int) -> float:
+        """The least that a token beside a k-token chain adds to the verification, on
+        average over the ones added with it (a curve can be uneven), counting the graph
+        rebuild that leaving the chain's batch size costs."""
+        base, verify = self.verify[k], self.verify
+        return min(
+            (verify[n] - base + self.costs.switch) / (n - k) for n in range(k + 1, nodes + 1)
+        )
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         if not draft.tokens:
