@@ -60,12 +60,18 @@ class AutoTree:
     where verification is flat up to some size (a GPU), trees fill it and stop there.
     Before drafting, if even a token the draft is sure of could not pay for its place
     at the running rate R (tokens per unit of cost, from the measured costs, not the
-    clock, so that a seed reproduces its text), the round is a chain: where each token
+    clock, so that a seed reproduces its text), the round is a chain; and after a tree
+    was cut back to a chain, trees pause for a while (see PROBE_GAP). Where each token
     more in a batch costs a good part of a pass (this kind of CPU), rounds stay chains
-    at no extra work.
+    at next to no extra work.
     """
 
     DECAY = 0.93  # per round, for the running rate
+    # A round whose tree was cut back to a chain (nothing beside it paid) pauses trees
+    # for PROBE_GAP rounds, doubling up to MAX_PROBE_GAP while that goes on: growing a
+    # tree is work (draft calls over several branches, per-node probabilities).
+    PROBE_GAP = 8
+    MAX_PROBE_GAP = 64
 
     def __init__(self, costs: Costs, max_nodes: int) -> None:
         self.costs = costs
@@ -73,6 +79,9 @@ class AutoTree:
         # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
         self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
         self.rate = 1.0  # tokens per unit of cost: target-only to start
+        self._gap = self.PROBE_GAP
+        self._wait = 0  # chain rounds left before the next tree
+        self._trying = False  # this round was offered a tree
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
         nodes = min(self.max_nodes, limit)
@@ -81,6 +90,10 @@ class AutoTree:
         bar = self.rate * self.cheapest_extra(k, nodes)
         if bar >= 1.0:  # not even a certain token beside the chain would pay: a chain
             return None
+        if self._wait:
+            self._wait -= 1
+            return None
+        self._trying = True
         return TreeShape(
             nodes,
             MAX_WIDTH,
@@ -100,8 +113,14 @@ class AutoTree:
         )
 
     def observe(self, draft: Draft, path: list[int]) -> None:
+        trying, self._trying = self._trying, False
         if not draft.tokens:
             return
         costs, batch = self.costs, len(draft.tokens) + 1
         cost = draft.calls * costs.draft_over_target + verify_cost(costs.verify, batch)
         self.rate += (1.0 - self.DECAY) * ((len(path) + 1) / cost - self.rate)
+        if trying:
+            if draft.parents is None:  # cut back to a chain
+                self._wait, self._gap = self._gap, min(2 * self._gap, self.MAX_PROBE_GAP)
+            else:
+                self._gap = self.PROBE_GAP

@@ -158,6 +158,26 @@ def test_auto_tree_follows_the_cost_curve() -> None:
     assert shape.verify[0] == 1.0 and len(shape.verify) == 33
 
 
+def test_auto_tree_pauses_after_trees_that_did_not_pay() -> None:
+    """A tree cut back to a chain pauses trees for 8 rounds, then 16, ...; a tree that
+    was kept brings the pause back to 8."""
+    policy = AutoTree(flat_costs(0.003), 32)
+    chain, tree = Draft([1, 2, 3], calls=3), Draft([1, 2, 3], calls=3, parents=[-1, 0, 0])
+
+    def offered(rounds: int, result: Draft) -> list[bool]:
+        out = []
+        for _ in range(rounds):
+            shape = policy.shape(k=3, limit=100)
+            out.append(shape is not None)
+            policy.observe(result if shape else chain, [0])
+        return out
+
+    assert offered(1, chain) == [True]
+    assert offered(9, chain) == [False] * 8 + [True]
+    assert offered(17, tree) == [False] * 16 + [True]
+    assert offered(3, tree) == [True] * 3
+
+
 def knee_costs(flat_to: int) -> Costs:
     """Verifying up to `flat_to` tokens costs as much as one; each more, a whole pass."""
     return Costs(0.01, 0.05, {n: 1.0 + max(0, n - flat_to) for n in range(1, 34)})
