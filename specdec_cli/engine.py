@@ -59,7 +59,7 @@ class DraftOptions:
     p_min: float = 0.0
     ngram_min: int = 1
     ngram_max: int = 4
-    tree: str = "off"  # "off" (chains), "auto", or at most N tokens a round (see treeshape)
+    tree: str = "auto"  # "off" (chains), "auto", or at most N tokens a round (see treeshape)
 
 
 @dataclass(frozen=True)
@@ -206,6 +206,10 @@ class Engine:
             n_ctx, threads, n_rs_seq=self._longest_draft(), n_seq_max=target_seqs
         )
         self.target = self._own(Context(self.model, target_params))
+        # A small context holds fewer sequences (one a leaf): no wider trees than that.
+        self.tree_nodes = min(self.tree_nodes, self.target.n_seq_max - 1)
+        if self.tree_nodes < 2:
+            self.tree_nodes = 0
         self.draft_ctx: Context | None = None
         self._costs: Costs | None = None
         if draft_model:
@@ -235,12 +239,11 @@ class Engine:
         nodes = parse_tree(tree) or 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
         if nodes and recurrent:
-            if tree != "auto":
+            if tree != "auto":  # auto: trees where they pay, and they cannot here
                 raise UserError(
                     f"--tree {tree}: {recurrent[0]} is recurrent and cannot verify or draft "
                     "a tree (its state is one per sequence); use --tree off"
                 )
-            self.warnings.append(f"--tree auto: {recurrent[0]} is recurrent, drafting chains")
             return 0
         return min(nodes, self.options.n_batch - 1)
 

@@ -269,8 +269,9 @@ class Context:
         cparams.n_ctx = params.n_ctx
         cparams.n_batch = min(params.n_batch, params.n_ctx)
         cparams.n_ubatch = min(params.n_ubatch, cparams.n_batch)
-        cparams.n_seq_max = params.n_seq_max
-        cparams.kv_unified = params.n_seq_max > 1
+        # llama.cpp keeps an output row per sequence, and no more rows than a batch has.
+        cparams.n_seq_max = min(params.n_seq_max, cparams.n_batch)
+        cparams.kv_unified = cparams.n_seq_max > 1
         cparams.n_threads = params.n_threads
         cparams.n_threads_batch = params.n_threads
         cparams.flash_attn_type = FLASH_ATTN[params.flash_attn]
@@ -287,7 +288,7 @@ class Context:
         # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
         self.n_batch: int = cparams.n_batch
-        self.n_seq_max: int = params.n_seq_max
+        self.n_seq_max: int = cparams.n_seq_max
         self.threads: int = params.n_threads
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self.ptr) if self.recurrent else 0
@@ -298,7 +299,7 @@ class Context:
         self._last_call_start = 0  # position of the first token of the last decode call
         self._first_logit = 0  # place in that call's batch of the first token with logits
         self._checkpoint = _Checkpoint()
-        self._batch = _Batch(self.n_batch, params.n_seq_max)
+        self._batch = _Batch(self.n_batch, self.n_seq_max)
         self._offsets = np.arange(self.n_batch, dtype=np.int32)  # 0, 1, 2, ...
         self._tree: _Tree | None = None  # the last decode's tree, until keep_branch
         self._branches = 0  # sequences besides 0 that may hold cells

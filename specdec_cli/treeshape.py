@@ -18,6 +18,12 @@ MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
 
 
 class TreePolicy(Protocol):
+    def begin(self) -> None:
+        """A new generation: what the policy learnt is this generation's alone, so that
+        a seed gives the same text in any generation (the shapes decide which random
+        numbers each token uses)."""
+        ...
+
     def shape(self, k: int, limit: int) -> TreeShape | None:
         """The shape of a round drafting k deep with room for `limit` tokens."""
         ...
@@ -38,6 +44,9 @@ class FixedTree:
 
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
+
+    def begin(self) -> None:
+        pass
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
         nodes = min(self.nodes, limit)
@@ -78,6 +87,9 @@ class AutoTree:
         self.max_nodes = max_nodes
         # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
         self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
+        self.begin()
+
+    def begin(self) -> None:
         self.rate = 1.0  # tokens per unit of cost: target-only to start
         self._gap = self.PROBE_GAP
         self._wait = 0  # chain rounds left before the next tree

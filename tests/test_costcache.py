@@ -80,7 +80,7 @@ def auto_engine(target: Path, draft: Path, threads: int) -> Engine:
             n_ctx=256,
             threads=threads,
             sampling=GREEDY,
-            drafting=DraftOptions(k="auto", draft_max=4),
+            drafting=DraftOptions(k="auto", draft_max=4, tree="off"),  # batches up to 5
         )
     )
 

@@ -48,7 +48,7 @@ def open_engine(
     n_ctx: int = 256,
     n_batch: int = 2048,
     flash_attn: str = "auto",
-    tree: str = "off",
+    tree: str = "auto",
 ) -> Engine:
     """`draft` is a model file, "ngram", or None."""
     return Engine(
