@@ -115,21 +115,28 @@ def evaluate(
     return {name: float(np.median(v)) for name, v in speeds.items()}
 
 
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    """-n and -t, which every replay takes."""
+    parser.add_argument("-n", type=int, default=128, help="tokens per prompt (default 128)")
+    parser.add_argument("-t", type=int, default=2, help="threads (default 2)")
+
+
+def replay_options(
+    target: Path, draft: Path, threads: int, drafting: DraftOptions
+) -> EngineOptions:
+    """The engine a replay records with: greedy, a 512-token context."""
+    return EngineOptions(
+        target=target, draft=draft, n_ctx=512, threads=threads, sampling=GREEDY, drafting=drafting
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("target", type=Path)
     parser.add_argument("draft", type=Path, nargs="?", default=DEFAULT_DRAFT)
-    parser.add_argument("-n", type=int, default=128, help="tokens per prompt (default 128)")
-    parser.add_argument("-t", type=int, default=2, help="threads (default 2)")
+    add_replay_arguments(parser)
     args = parser.parse_args()
-    options = EngineOptions(
-        target=args.target,
-        draft=args.draft,
-        n_ctx=512,
-        threads=args.t,
-        sampling=GREEDY,
-        drafting=DraftOptions(k="1"),
-    )
+    options = replay_options(args.target, args.draft, args.t, DraftOptions(k="1"))
     with Engine(options) as engine:
         matches = record_matches(engine, args.n)
         costs = engine.measure_costs(range(1, 18), reps=5, position=16 + args.n // 2)

@@ -40,12 +40,18 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
-from replay_draft_length import DEFAULT_DRAFT, record_texts, round_cost  # noqa: E402
+from replay_draft_length import (  # noqa: E402
+    DEFAULT_DRAFT,
+    add_replay_arguments,
+    record_texts,
+    replay_options,
+    round_cost,
+)
 
 from specdec_cli.costmodel import Costs, verify_cost  # noqa: E402
 from specdec_cli.drafters import Draft, ModelDrafter  # noqa: E402
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
-from specdec_cli.engine import AUTO_TREE_NODES, DraftOptions, Engine, EngineOptions  # noqa: E402
+from specdec_cli.engine import AUTO_TREE_NODES, DraftOptions, Engine  # noqa: E402
 from specdec_cli.sampling import GREEDY, verify_tree_greedy  # noqa: E402
 from specdec_cli.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
 
@@ -230,20 +236,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
-    parser.add_argument("-n", type=int, default=128, help="tokens per prompt (default 128)")
-    parser.add_argument("-t", type=int, default=2, help="threads (default 2)")
+    add_replay_arguments(parser)
     parser.add_argument("--curve", nargs="+", choices=CURVES, default=CURVES)
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
-    options = EngineOptions(
-        target=args.target,
-        draft=args.draft,
-        n_ctx=512,
-        threads=args.t,
-        sampling=GREEDY,
-        # Contexts with room for --tree auto's largest trees, MAX_K deep.
-        drafting=DraftOptions(k=str(MAX_K), tree=str(AUTO_TREE_NODES)),
-    )
+    # Contexts with room for --tree auto's largest trees, MAX_K deep.
+    drafting = DraftOptions(k=str(MAX_K), tree=str(AUTO_TREE_NODES))
+    options = replay_options(args.target, args.draft, args.t, drafting)
     with Engine(options) as engine:
         assert engine.draft_ctx is not None
         texts = record_texts(engine, args.n)
