@@ -26,7 +26,13 @@ ENV_VAR = "SPECDEC_CONFIG"
 
 # Allowed keys and their types. A float key also accepts a TOML integer (`temp = 0`).
 _MODEL_KEYS: dict[str, type] = {"path": str, "n_gpu_layers": int, "n_ctx": int, "threads": int}
-_PAIR_KEYS: dict[str, type] = {"target": str, "draft": str, "k": int | str, "about": str}
+_PAIR_KEYS: dict[str, type] = {
+    "target": str,
+    "draft": str,
+    "k": int | str,
+    "tree": int | str,
+    "about": str,
+}
 _SAMPLING_KEYS: dict[str, type] = {
     "temp": float,
     "top_k": int,
@@ -56,6 +62,7 @@ class PairSpec:
     target: ModelSpec
     draft: ModelSpec
     k: str | None = None  # a number of tokens, or "auto", as -k takes it
+    tree: str | None = None  # "off", "auto" or a number of tokens, as --tree takes it
     about: str | None = None  # what the pair is, in a few words (shown by --list-pairs)
     sampling: dict[str, int | float] = field(default_factory=dict)  # only the keys the file set
 
@@ -101,7 +108,8 @@ def pair_lines(config: Config) -> list[str]:
         about = f": {pair.about}" if pair.about else ""
         lines.append(f"{name} ({where}){about}")
         lines.append(f"  -m {pair.target.path}")
-        lines.append(f"  -d {pair.draft.path}" + (f" -k {pair.k}" if pair.k else ""))
+        flags = (f" -k {pair.k}" if pair.k else "") + (f" --tree {pair.tree}" if pair.tree else "")
+        lines.append(f"  -d {pair.draft.path}{flags}")
     return lines
 
 
@@ -199,7 +207,12 @@ def _pair(
     if k is not None and k != "auto" and (isinstance(k, str) or k < 1):
         _fail(source, f"{where}.k", f'must be a number of at least 1 or "auto", got {k!r}')
     k = None if k is None else str(k)
-    return PairSpec(name=name, k=k, about=about, sampling=values, **roles)
+    tree = values.pop("tree", None)
+    if tree is not None and tree not in ("off", "auto") and (isinstance(tree, str) or tree < 2):
+        must = 'must be "off", "auto" or a number of at least 2'
+        _fail(source, f"{where}.tree", f"{must}, got {tree!r}")
+    tree = None if tree is None else str(tree)
+    return PairSpec(name=name, k=k, tree=tree, about=about, sampling=values, **roles)
 
 
 def _check_keys(

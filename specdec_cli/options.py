@@ -424,7 +424,7 @@ def engine_options(
             p_min=draft_p_min,
             ngram_min=ngram_min,
             ngram_max=ngram_max,
-            tree=tree,
+            tree=first_given(tree, pair.tree if pair else None),
         )
     )
     parse_k(drafting.k)

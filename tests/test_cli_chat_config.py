@@ -135,6 +135,7 @@ def test_pair_from_config(target_model: Path, draft_model: Path, tmp_path: Path)
     config.write_text(
         f'[models.big]\npath = "{target_model}"\n\n[models.small]\npath = "{draft_model}"\n\n'
         '[pairs.tiny]\ntarget = "big"\ndraft = "small"\nk = 2\ntemp = 0\nn_predict = 9\n'
+        "tree = 6\n"
     )
     result = specdec(
         "run", "-m", "tiny", "--config", str(config), "-p", "Once", "--json", "-t", "1"
@@ -142,6 +143,7 @@ def test_pair_from_config(target_model: Path, draft_model: Path, tmp_path: Path)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout)
     assert record["k"] == "2" and record["tokens"] == 9 and record["drafted"] > 0
+    assert record["tree"] == "6"
     alone = specdec(
         "run", "-m", "big", "--config", str(config), "-p", "Once", "-n", "9", "--json", *GREEDY
     )
@@ -159,12 +161,14 @@ def test_pair_from_config(target_model: Path, draft_model: Path, tmp_path: Path)
         "5",
         "-k",
         "1",
+        "--tree",
+        "off",
         "--json",
         "-t",
         "1",
     )
     record = json.loads(longer.stdout)
-    assert record["tokens"] == 5 and record["k"] == "1"
+    assert record["tokens"] == 5 and record["k"] == "1" and record["tree"] == "off"
 
 
 def test_unknown_config_name_is_a_missing_file(tmp_path: Path) -> None:

@@ -422,3 +422,9 @@ def test_json_tokens_say_who_chose_each_token(target_model: Path, draft_model: P
     by = [t["by"] for t in tokens]
     assert by.count("model") == record["accepted"] > 0
     assert by.count("target") == record["target_passes"]  # one of its own per pass
+
+
+@pytest.mark.parametrize("tree", ["1", "wide"])
+def test_bad_tree_is_one_line(target_model: Path, tree: str) -> None:
+    result = specdec("run", "-m", str(target_model), "-d", "ngram", "--tree", tree, "-p", "x")
+    assert_user_error(result, "--tree must be 'off', 'auto' or a number")

@@ -148,6 +148,8 @@ def test_specs_are_frozen() -> None:
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\ntemp = "hot"\n', "pairs.p.temp: must be a number"),
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\nk = 0\n', "pairs.p.k: must be a number of at"),
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\nk = "many"\n', "pairs.p.k: must be a number of"),
+        ('[pairs.p]\ntarget = "a"\ndraft = "b"\ntree = 1\n', 'pairs.p.tree: must be "off", "auto"'),
+        ('[pairs.p]\ntarget = "a"\ndraft = "b"\ntree = "wide"\n', "pairs.p.tree: must be"),
         ('[pairs.p]\ntarget = "a"\ndraft = "b"\nn_gpu_layers = 1\n', "pairs.p.n_gpu_layers"),
         ('[pairs.p]\ntarget = "p"\ndraft = "b"\n', "pairs.p.target: 'p' is a pair"),
         ('[model.m]\npath = "a.gguf"\n', "model: unknown table"),
