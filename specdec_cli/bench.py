@@ -218,6 +218,7 @@ class BenchReport:
             "tokens_per_pass": round(t.tokens_per_pass, 4),
             "k_mean": round(t.mean_k, 3),
             "accepted_depth_mean": round(t.accepted_depth, 3),
+            "accepted_beside_chain": t.accepted_beside,
             "k_histogram": {str(k): n for k, n in sorted(t.draft_lengths.items())},
             "time_share": {
                 "draft": round(t.draft_seconds / seconds, 4),

@@ -351,3 +351,17 @@ def test_untrustworthy_figures_are_flagged() -> None:
     drifting = VariantResult(TARGET_ONLY, [stats(100, 1.0), stats(100, 0.5)])
     slowed = report(drifting, VariantResult(MODEL_K4, [stats(100, 0.8), stats(100, 0.4)]))
     assert any("speed changed" in w for w in slowed.warnings())
+
+
+def test_bench_tree_variants(target_model: Path, draft_model: Path, tmp_path: Path) -> None:
+    """--tree gives every k its tree variants, named by it, with what the branches won."""
+    data = bench(target_model, [str(draft_model)], tmp_path / "out.json", "--tree", "off,6")
+    names = [f"model k={k}{tree}" for k in ("1", "2") for tree in ("", " tree=6")]
+    assert [r["name"] for r in data["runs"]] == names
+    # Costs cover the widest batch: a 6-token tree and the token before it.
+    assert sorted(data["cost"]["verify_cost"], key=int) == [str(n) for n in range(1, 8)]
+    runs = {r["name"]: r for r in data["runs"]}
+    chain, tree = runs["model k=2"], runs["model k=2 tree=6"]
+    assert chain["tree"] == "off" and tree["tree"] == "6"
+    assert chain["accepted_beside_chain"] == 0 < tree["accepted_beside_chain"]
+    assert tree["k_mean"] > chain["k_mean"]  # nodes drafted per round
