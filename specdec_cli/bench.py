@@ -17,7 +17,7 @@ import numpy as np
 from specdec_cli import __version__, backend, costmodel, machine
 from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
-from specdec_cli.engine import AUTO_TREE_NODES, Engine, parse_k, parse_tree
+from specdec_cli.engine import Engine, parse_k, parse_tree
 from specdec_cli.stats import FlashAttnChoice, Stats
 
 BUILTIN_PROMPTS = {
@@ -252,10 +252,9 @@ def variants(
 
 
 def widest_tree(trees: Sequence[str]) -> str:
-    """The --tree an engine must be made for to run all of `trees`."""
-    widest = max(trees, key=lambda tree: parse_tree(tree) or 0, default="off")
-    fixed = [parse_tree(t) or 0 for t in trees if t != "auto"]
-    return widest if "auto" not in trees or max(fixed, default=0) > AUTO_TREE_NODES else "auto"
+    """The --tree an engine must be made for to run all of `trees`: the widest, "auto"
+    where it is as wide (it also falls back to chains for recurrent models)."""
+    return max(trees, key=lambda tree: (parse_tree(tree) or 0, tree == "auto"), default="off")
 
 
 def environment() -> dict[str, object]:

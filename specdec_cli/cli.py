@@ -35,7 +35,7 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import DraftOptions, EngineOptions, GenerationOptions, parse_tree
+from specdec_cli.engine import EngineOptions, GenerationOptions, parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.options import (
     MODEL_HELP,
@@ -51,6 +51,7 @@ from specdec_cli.options import (
     TreeOpt,
     VerboseOpt,
     described,
+    draft_length_option,
     engine_options,
     first_given,
     generation_options,
@@ -131,19 +132,10 @@ def run(
         ),
     ] = None,
     draft: DraftsOpt = None,
-    k: Annotated[
-        str | None,
-        typer.Option(
-            "-k",
-            "--draft-length",
-            metavar="N|auto",
-            help=described(
-                "Tokens to draft per round, or 'auto' to choose each round from the running "
-                "acceptance and measured costs.",
-                DraftOptions.k,
-            ),
-        ),
-    ] = None,
+    k: draft_length_option(
+        "Tokens to draft per round, or 'auto' to choose each round from the running "
+        "acceptance and measured costs."
+    ) = None,
     tree: TreeOpt = None,
     prompt: Annotated[
         str | None,
@@ -483,18 +475,9 @@ def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path 
 def serve(
     model: ModelOpt,
     draft: DraftsOpt = None,
-    k: Annotated[
-        str | None,
-        typer.Option(
-            "-k",
-            "--draft-length",
-            metavar="N|auto",
-            help=described(
-                'Draft length for requests that do not set "speculative": {"k": N}.',
-                DraftOptions.k,
-            ),
-        ),
-    ] = None,
+    k: draft_length_option(
+        'Draft length for requests that do not set "speculative": {"k": N}.'
+    ) = None,
     tree: TreeOpt = None,
     host: Annotated[
         str | None,

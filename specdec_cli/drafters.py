@@ -227,15 +227,19 @@ class ModelDrafter:
         estimated: exact over the tokens within NEAR_TOP of the top logit, and from
         every TAIL_STRIDE-th token below that, which spares an exp over the whole
         vocabulary (152k-262k tokens) for every node a tree extends."""
-        if self._scratch.shape != logits.shape:
-            self._scratch = np.empty_like(logits)
-        rest = self._scratch
-        np.copyto(rest, logits)
-        ids = [top]
-        for _ in range(n - 1):  # n - 1 more argmax passes: cheaper than any sort
-            rest[ids[-1]] = -np.inf
-            ids.append(int(np.argmax(rest)))
         best = float(logits[top])
+        ids = [top]
+        # n - 1 more argmax passes, each with the tokens found so far masked in place
+        # (and put back): cheaper than any sort, and than a copy of the row.
+        masked: list[tuple[int, float]] = []
+        try:
+            for _ in range(n - 1):
+                masked.append((ids[-1], float(logits[ids[-1]])))
+                logits[ids[-1]] = -np.inf
+                ids.append(int(np.argmax(logits)))
+        finally:
+            for token, value in masked:
+                logits[token] = value
         head = logits[logits >= best - NEAR_TOP]
         tail = logits[::TAIL_STRIDE]
         tail = tail[tail < best - NEAR_TOP]
@@ -292,7 +296,7 @@ class _Growth:
             for row, node in zip(rows, frontier, strict=True):
                 logits = self.ctx.logits(row)[: self.drafter.n_vocab]
                 new += self._add_children(node, logits, depth)
-            frontier = self._likeliest(new, self.shape.width)
+            frontier = self._to_extend(new, self.shape.width)
             if not frontier:
                 break
         return self._kept()
@@ -323,9 +327,14 @@ class _Growth:
             self.primary.append(primary)
         return added
 
-    def _likeliest(self, nodes: list[int], n: int) -> list[int]:
+    def _rank(self, node: int) -> tuple[bool, float, int]:
+        """Sorts the primary path first, then the likeliest paths; a parent before its
+        children (a child's score is at most its parent's, and its index higher)."""
+        return not self.primary[node], -self.scores[node], node
+
+    def _to_extend(self, nodes: list[int], n: int) -> list[int]:
         """The n likeliest of `nodes`, the primary one first, then in index order."""
-        ranked = sorted(nodes, key=lambda i: (not self.primary[i], -self.scores[i], i))
+        ranked = sorted(nodes, key=self._rank)
         return sorted(ranked[:n])
 
     def _evaluate(self, frontier: list[int], depth: int) -> list[int]:
@@ -371,7 +380,7 @@ class _Growth:
         if self.shape.is_chain:
             draft.parents = None
             return draft
-        ranked = sorted(range(n), key=lambda i: (not self.primary[i], -self.scores[i], i))
+        ranked = sorted(range(n), key=self._rank)
         keep = sorted(ranked[: self._worth_keeping(ranked)])
         index = {old: new for new, old in enumerate(keep)}
         index[-1] = -1

@@ -197,7 +197,7 @@ class Engine:
         # Before the contexts: their flash attention setting is fixed when they are made.
         self.flash_attn = self._choose_flash_attn(n_ctx, threads)
         draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
-        self.tree_nodes = self._tree_nodes(draft_model)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth).
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -206,10 +206,6 @@ class Engine:
             n_ctx, threads, n_rs_seq=self._longest_draft(), n_seq_max=target_seqs
         )
         self.target = self._own(Context(self.model, target_params))
-        # A small context holds fewer sequences (one a leaf): no wider trees than that.
-        self.tree_nodes = min(self.tree_nodes, self.target.n_seq_max - 1)
-        if self.tree_nodes < 2:
-            self.tree_nodes = 0
         self.draft_ctx: Context | None = None
         self._costs: Costs | None = None
         if draft_model:
@@ -232,9 +228,11 @@ class Engine:
             n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max
         )
 
-    def _tree_nodes(self, draft_model: Model | None) -> int:
-        """The most tokens a draft tree may hold (0: chains only). A recurrent model
-        keeps one state per sequence, not per branch: it drafts and verifies chains."""
+    def _tree_nodes(self, draft_model: Model | None, n_ctx: int) -> int:
+        """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
+        decode call, and a context holds at most a batch's worth of sequences (one per
+        leaf, and the accepted one). A recurrent model keeps one state per sequence, not
+        per branch: it drafts and verifies chains."""
         tree = self.options.drafting.tree
         nodes = parse_tree(tree) or 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
@@ -245,7 +243,8 @@ class Engine:
                     "a tree (its state is one per sequence); use --tree off"
                 )
             return 0
-        return min(nodes, self.options.n_batch - 1)
+        nodes = min(nodes, self.options.n_batch - 1, n_ctx - 1)
+        return nodes if nodes >= 2 else 0
 
     def _longest_draft(self) -> int:
         """The most draft tokens one round can verify, within one decode call."""
@@ -282,11 +281,12 @@ class Engine:
         n = parse_k(k)
         length: DraftLength
         if n is None:
-            costs = self.costs()
-            if kind == "ngram":  # a lookup costs next to nothing
-                costs = replace(costs, draft_over_target=0.0)
             length = AutoLength(
-                costs, d.draft_min, d.draft_max, d.p_min, uses_confidence=d.p_min > 0.0
+                self._costs_for(kind),
+                d.draft_min,
+                d.draft_max,
+                d.p_min,
+                uses_confidence=d.p_min > 0.0,
             )
         else:
             length = FixedLength(n, d.p_min)
@@ -298,15 +298,18 @@ class Engine:
         if nodes is None or not self.tree_nodes:
             return None
         if tree == "auto":
-            costs = self.costs()
-            if kind == "ngram":  # a lookup costs next to nothing
-                costs = replace(costs, draft_over_target=0.0)
-            return AutoTree(costs, min(nodes, self.tree_nodes))
+            return AutoTree(self._costs_for(kind), min(nodes, self.tree_nodes))
         if nodes > self.tree_nodes:
             raise UserError(
                 f"--tree {tree} is wider than this engine was made for ({self.tree_nodes})"
             )
         return FixedTree(nodes)
+
+    def _costs_for(self, kind: str) -> Costs:
+        """The measured costs as a drafter of this kind pays them: a lookup costs next
+        to nothing."""
+        costs = self.costs()
+        return replace(costs, draft_over_target=0.0) if kind == "ngram" else costs
 
     def costs(self) -> Costs:
         """The draft's and the target's measured costs, for -k auto: measured once per

@@ -205,6 +205,16 @@ def temp_option(default: float) -> Any:
     ]
 
 
+def draft_length_option(help: str) -> Any:
+    """-k as run and serve take it (bench takes a list)."""
+    return Annotated[
+        str | None,
+        typer.Option(
+            "-k", "--draft-length", metavar="N|auto", help=described(help, DraftOptions.k)
+        ),
+    ]
+
+
 TopKOpt = Annotated[
     int | None,
     typer.Option(

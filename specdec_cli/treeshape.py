@@ -87,6 +87,7 @@ class AutoTree:
         self.max_nodes = max_nodes
         # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
         self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
+        self._extra: dict[tuple[int, int], float] = {}  # cheapest_extra's answers
         self.begin()
 
     def begin(self) -> None:
@@ -118,11 +119,15 @@ class AutoTree:
     def cheapest_extra(self, k: int, nodes: int) -> float:
         """The least that a token beside a k-token chain adds to the verification, on
         average over the ones added with it (a curve can be uneven), counting the graph
-        rebuild that leaving the chain's batch size costs."""
-        base, verify = self.verify[k], self.verify
-        return min(
-            (verify[n] - base + self.costs.switch) / (n - k) for n in range(k + 1, nodes + 1)
-        )
+        rebuild that leaving the chain's batch size costs. Asked every round, for a few
+        (k, nodes): worked out once each."""
+        key = (k, nodes)
+        if key not in self._extra:
+            base, verify, switch = self.verify[k], self.verify, self.costs.switch
+            self._extra[key] = min(
+                (verify[n] - base + switch) / (n - k) for n in range(k + 1, nodes + 1)
+            )
+        return self._extra[key]
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         trying, self._trying = self._trying, False
