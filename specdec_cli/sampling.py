@@ -183,31 +183,39 @@ def _softmax(logits: np.ndarray, temp: float) -> DenseDist:
 def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
     """top-p and min-p over the whole vocabulary (top-k off).
 
-    top-p needs the total mass of the row, one exp over every token (in a kept buffer);
-    the sort it needs is then confined to the candidates `_candidates` finds. The total
-    is float32, so top-p's cut can differ from an all-float64 one only where the mass
-    before it is within about 1e-7 of top_p.
+    top-p's cut depends on the total mass of the row, but rarely on its exact value:
+    the tokens near the top hold the candidates, and every other token weighs less than
+    the cutoff, which bounds the total from both sides (`_nucleus_near`). Only when the
+    cut falls between the bounds is the total taken exactly, by one exp over every
+    token in float32 (a kept buffer): then the cut can differ from an all-float64 one
+    only where the mass before it is within about 1e-7 of top_p.
     """
     top = float(logits.max())
+    for margin in NEAR_MARGINS:
+        dist = _nucleus_near(logits, top, margin, params)
+        if dist is not None:
+            return dist
     weights = _scratch(len(logits))
     np.subtract(logits, top, out=weights)
     np.exp(weights, out=weights)
     total = float(weights.sum())
     ids = _candidates(logits, weights, top, total, params)
-    return _filtered(ids, logits[ids].astype(np.float64), params, total)
+    dist = _filter(ids, logits[ids].astype(np.float64), params, (total, total))
+    assert dist is not None  # the total is exact and the candidates hold the cut
+    return dist
 
 
 def _candidates(
     logits: np.ndarray, weights: np.ndarray, top: float, total: float, params: SamplingParams
 ) -> np.ndarray:
     """The ids (ascending) of every token above a logit cutoff low enough to hold all
-    that top-p and min-p keep.
+    that top-p and min-p keep, given the row's total mass and each token's (`weights`).
 
-    Both keep a prefix of the tokens by decreasing logit. min-p's is bounded by a logit,
-    top + ln(min_p); top-p's is looked for within a margin of the top, widened until the
-    tokens above it hold top_p of the mass: usually a few hundred tokens, not the row.
+    Both keep a prefix of the tokens by decreasing logit. min-p's is bounded by a logit;
+    top-p's is looked for within a margin of the top, widened until the tokens above it
+    hold top_p of the mass: usually a few hundred tokens, not the row.
     """
-    floor = top + math.log(params.min_p) - MIN_P_SLACK if params.min_p > 0.0 else -math.inf
+    floor = _min_p_floor(top, params.min_p)
     for margin in (4.0, 16.0, 64.0):
         cutoff = max(top - margin, floor)
         ids = np.flatnonzero(logits >= cutoff)
@@ -216,31 +224,85 @@ def _candidates(
     return np.flatnonzero(logits >= floor)
 
 
-def _filtered(
-    ids: np.ndarray, kept: np.ndarray, params: SamplingParams, total: float | None = None
-) -> Dist:
+def _min_p_floor(top: float, min_p: float) -> float:
+    """A logit below every token min-p keeps (it keeps logits >= top + ln(min_p)); the
+    comparison with a float32 row rounds, so a little lower, and tested exactly later."""
+    return top + math.log(min_p) - MIN_P_SLACK if min_p > 0.0 else -math.inf
+
+
+def _nucleus_near(
+    logits: np.ndarray, top: float, margin: float, params: SamplingParams
+) -> Dist | None:
+    """The distribution from the tokens within `margin` of the top logit alone, or None
+    when they do not settle it.
+
+    Measured in the top token's mass, the candidates weigh `near` exactly, and each of
+    the n_far tokens below them less than exp(-margin): the total lies in
+    [near, near + n_far * exp(-margin)]. Whatever it is within that, min-p and top-p
+    keep the same tokens when (a) every token min-p keeps is a candidate and top-p cuts
+    nothing even at the least total, or (b) top-p cuts within the candidates at the same
+    token for both ends.
+    """
+    cutoff = top - margin
+    ids = np.flatnonzero(logits >= cutoff)
+    kept = logits[ids].astype(np.float64)
+    near = float(np.exp(kept - top).sum())
+    # Far tokens are below float32(cutoff), which can round up by a hair: 1e-3 covers it.
+    far_most = (len(logits) - len(ids)) * math.exp(1e-3 - margin)
+    complete = _min_p_floor(top, params.min_p) >= cutoff
+    return _filter(ids, kept, params, (near, near + far_most), complete)
+
+
+NEAR_MARGINS = (8.0, 16.0, 32.0)  # logits below the top that _nucleus_near tries, in turn
+
+
+def _filtered(ids: np.ndarray, kept: np.ndarray, params: SamplingParams) -> Dist:
+    """min-p and top-p over candidate tokens that are all the filters choose from, then
+    temperature (see _filter)."""
+    mass = float(np.exp(kept - kept.max()).sum())
+    dist = _filter(ids, kept, params, (mass, mass))
+    assert dist is not None  # the total is exact and every token is a candidate
+    return dist
+
+
+def _filter(
+    ids: np.ndarray,
+    kept: np.ndarray,
+    params: SamplingParams,
+    total: tuple[float, float],
+    complete: bool = True,
+) -> Dist | None:
     """min-p and top-p over candidate tokens, then temperature.
 
     `ids` ascending, `kept` their logits in float64. The filters measure probabilities
-    against `total`, the untempered mass of all the tokens they choose from in units of
-    the top token's (by default the candidates' own). min-p keeps a prefix of the tokens
-    by decreasing probability, so top-p's prefix, if shorter, lies within it.
+    against the untempered mass of all the tokens they choose from, in units of the top
+    token's: `total` bounds it (least, most). `complete`: the candidates include every
+    token min-p keeps. Returns None when the kept tokens depend on where the total lies
+    within its bounds (or, the candidates not complete, top-p's cut may fall outside
+    them). min-p keeps a prefix of the tokens by decreasing probability, so top-p's
+    prefix, if shorter, lies within it.
     """
     top = kept.max()
     mass = np.exp(kept - top)
-    if total is None:
-        total = float(mass.sum())
     if params.min_p > 0.0:
         # p_i >= min_p * p_max, and the top token's mass is exactly 1.
         keep = mass >= params.min_p
         ids, kept, mass = ids[keep], kept[keep], mass[keep]
-    if params.top_p < 1.0 and mass.sum() >= params.top_p * total:
+    least, most = total
+    kept_mass = float(mass.sum())
+    cuts = params.top_p < 1.0 and kept_mass >= params.top_p * least
+    if params.top_p < 1.0 and kept_mass >= params.top_p * most:
         # The smallest prefix by decreasing probability whose mass reaches top_p (at least
         # one token); the stable sort of ascending ids puts the lower id first among ties.
         order = np.argsort(-kept, kind="stable")
-        n = int(np.searchsorted(np.cumsum(mass[order]), params.top_p * total)) + 1
+        cum = np.cumsum(mass[order])
+        n = int(np.searchsorted(cum, params.top_p * least)) + 1
+        if n != int(np.searchsorted(cum, params.top_p * most)) + 1:
+            return None
         keep = np.sort(order[:n])
         ids, kept = ids[keep], kept[keep]
+    elif cuts or not complete:  # top-p cuts for some totals only, or beyond the candidates
+        return None
     probs = np.exp((kept - top) / params.temp)
     return Dist(ids, probs / probs.sum())
 

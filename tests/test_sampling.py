@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
+from specdec_cli import sampling
 from specdec_cli.sampling import (
+    NEAR_MARGINS,
     DenseDist,
     Dist,
     SamplingParams,
@@ -243,10 +245,16 @@ def logits_row(kind: str, n: int, seed: int = 0) -> np.ndarray:
         ("equal", FLAT_VOCAB),
     ],
 )
-def test_distribution_matches_reference_at_real_sizes(kind: str, n: int) -> None:
+@pytest.mark.parametrize("margins", [NEAR_MARGINS, (8.0,), ()], ids=["near", "one", "exact"])
+def test_distribution_matches_reference_at_real_sizes(
+    kind: str, n: int, margins: tuple[float, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every sampler setting, against the sort-everything reference. The filtered
     distributions are float64 on their few tokens; the plain softmax is float32 over the
-    vocabulary, hence the relative tolerance."""
+    vocabulary, hence the relative tolerance. With top-k off, top-p and min-p are settled
+    from the tokens near the top where they can be, else from the exact total: `margins`
+    limits the first (none: always the exact total)."""
+    monkeypatch.setattr(sampling, "NEAR_MARGINS", margins)
     logits = logits_row(kind, n)
     for name, params in SETTINGS.items():
         d = distribution(logits, params)
@@ -256,6 +264,44 @@ def test_distribution_matches_reference_at_real_sizes(kind: str, n: int) -> None
         np.testing.assert_array_equal(got > 0, expected > 0, err_msg=f"{name}: support")
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-12, err_msg=name)
         assert abs(d.probs.sum() - 1.0) < 1e-5, name
+
+
+@pytest.mark.parametrize("top_p", [0.2, 0.5, 0.9])
+def test_top_p_counts_the_mass_far_below_the_top(top_p: float) -> None:
+    """Eight tokens at the top, every other one 9 below: far enough not to be a
+    candidate near the top, and together heavier than the top eight. top-p's cut falls
+    among the far tokens (lowest ids first): it is wrong if their mass is left out of
+    the total, or bounded too low."""
+    logits = np.full(QWEN2_VOCAB, -9.0, np.float32)
+    top = np.arange(8) * 1000 + 7
+    logits[top] = 0.0
+    mass = np.exp(logits.astype(np.float64))
+    n_far = int(np.ceil((top_p * mass.sum() - 8.0) / np.exp(-9.0)))
+    far = np.setdiff1d(np.arange(QWEN2_VOCAB), top)[:n_far] if n_far > 0 else []
+    expected = np.union1d(top[: int(np.ceil(top_p * mass.sum()))] if n_far <= 0 else top, far)
+    d = distribution(logits, SamplingParams(temp=1.0, top_k=0, top_p=top_p, min_p=0.0))
+    np.testing.assert_array_equal(d.ids, expected)
+
+
+def test_min_p_keeps_tokens_below_the_near_candidates() -> None:
+    """min-p 1e-5 keeps every token within ln(1e5) = 11.5 of the top: here all of
+    them, 10 below it, further down than the first candidates looked at."""
+    logits = np.full(QWEN2_VOCAB, -10.0, np.float32)
+    logits[[3, 5000]] = 0.0
+    d = distribution(logits, SamplingParams(temp=1.0, top_k=0, top_p=1.0, min_p=1e-5))
+    np.testing.assert_array_equal(d.ids, np.arange(QWEN2_VOCAB))
+
+
+def test_top_p_waits_for_bounds_that_settle_it() -> None:
+    """21 tokens near the top, the rest far below (mass 3e-4 in all): top-p 0.95 drops
+    the last of the 21. Counting each far token at the most it could weigh at the first
+    margin (e^-8), top-p would cut nothing: the cut must wait for tighter bounds."""
+    logits = np.full(QWEN2_VOCAB, -20.0, np.float32)
+    near = np.arange(21) * 7000
+    logits[near] = -1.0
+    logits[near[0]] = 0.0
+    d = distribution(logits, SamplingParams(temp=1.0, top_k=0, top_p=0.95, min_p=0.05))
+    np.testing.assert_array_equal(d.ids, near[:20])
 
 
 def test_top_k_ids_keep_the_lowest_ids_among_ties() -> None:
