@@ -259,8 +259,7 @@ NEAR_MARGINS = (8.0, 16.0, 32.0)  # logits below the top that _nucleus_near trie
 def _filtered(ids: np.ndarray, kept: np.ndarray, params: SamplingParams) -> Dist:
     """min-p and top-p over candidate tokens that are all the filters choose from, then
     temperature (see _filter)."""
-    mass = float(np.exp(kept - kept.max()).sum())
-    dist = _filter(ids, kept, params, (mass, mass))
+    dist = _filter(ids, kept, params)
     assert dist is not None  # the total is exact and every token is a candidate
     return dist
 
@@ -269,26 +268,26 @@ def _filter(
     ids: np.ndarray,
     kept: np.ndarray,
     params: SamplingParams,
-    total: tuple[float, float],
+    total: tuple[float, float] | None = None,
     complete: bool = True,
 ) -> Dist | None:
     """min-p and top-p over candidate tokens, then temperature.
 
     `ids` ascending, `kept` their logits in float64. The filters measure probabilities
     against the untempered mass of all the tokens they choose from, in units of the top
-    token's: `total` bounds it (least, most). `complete`: the candidates include every
-    token min-p keeps. Returns None when the kept tokens depend on where the total lies
-    within its bounds (or, the candidates not complete, top-p's cut may fall outside
-    them). min-p keeps a prefix of the tokens by decreasing probability, so top-p's
-    prefix, if shorter, lies within it.
+    token's: `total` bounds it (least, most; None: the candidates' own mass).
+    `complete`: the candidates include every token min-p keeps. Returns None when the
+    kept tokens depend on where the total lies within its bounds (or, the candidates not
+    complete, top-p's cut may fall outside them). min-p keeps a prefix of the tokens by
+    decreasing probability, so top-p's prefix, if shorter, lies within it.
     """
     top = kept.max()
     mass = np.exp(kept - top)
+    least, most = total or (float(mass.sum()),) * 2
     if params.min_p > 0.0:
         # p_i >= min_p * p_max, and the top token's mass is exactly 1.
         keep = mass >= params.min_p
         ids, kept, mass = ids[keep], kept[keep], mass[keep]
-    least, most = total
     kept_mass = float(mass.sum())
     cuts = params.top_p < 1.0 and kept_mass >= params.top_p * least
     if params.top_p < 1.0 and kept_mass >= params.top_p * most:
@@ -311,24 +310,35 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     """The ids of the k largest logits, ascending; of equal logits at the edge, the lowest
     ids (what a stable sort of the row keeps).
 
-    Almost all of a vocabulary sits far below its best logits, so the k are looked for
-    among the tokens within a margin of the maximum, and the margin widened only if
-    fewer than k are there: exact, and much cheaper than partitioning the whole row.
+    The row is read as TOP_K_ROWS rows of equal width, and each column's largest value
+    taken (one vectorised pass, about as cheap as the row's maximum). The k-th largest
+    of those column maxima is a logit that at least k tokens reach, so the k largest
+    tokens all lie in the columns that reach it: a few thousand values, not the row.
+    A k too large for that (a small vocabulary) sorts the row.
     """
-    top = logits.max()
-    for margin in (8.0, 32.0, 128.0):
-        near = np.flatnonzero(logits >= top - margin)
-        if len(near) >= k:
-            break
-    else:
-        near = np.arange(len(logits))
-    if len(near) == k:
-        return near
-    values = logits[near]
-    kth = np.partition(values, len(near) - k)[len(near) - k]
+    n = len(logits)
+    width = n // TOP_K_ROWS
+    if width < 2 * k:
+        return np.sort(np.argsort(-logits, kind="stable")[:k])
+    body = TOP_K_ROWS * width
+    grid = logits[:body].reshape(TOP_K_ROWS, width)
+    column_max = grid.max(axis=0)
+    floor = np.partition(column_max, width - k)[width - k]
+    columns = np.flatnonzero(column_max >= floor)
+    rows, at = np.nonzero(grid[:, columns] >= floor)  # row by row: ids ascending
+    ids = rows * width + columns[at]
+    tail = body + np.flatnonzero(logits[body:] >= floor)  # the few ids past the grid
+    ids = np.concatenate([ids, tail]) if len(tail) else ids
+    if len(ids) == k:
+        return ids
+    values = logits[ids]
+    kth = np.partition(values, len(ids) - k)[len(ids) - k]
     keep = values > kth
     keep[np.flatnonzero(values == kth)[: k - np.count_nonzero(keep)]] = True
-    return near[keep]
+    return ids[keep]
+
+
+TOP_K_ROWS = 32  # see top_k_ids
 
 
 def residual(p: Dist, q: Dist) -> Dist:
