@@ -210,7 +210,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="folder to write into")
     parser.add_argument("--eps", type=float, default=0.3, help="scale of the target's extra")
     parser.add_argument("--draft-embd", type=int, default=64, help="draft width (64)")
-    parser.add_argument("--target-embd", type=int, default=512, help="target width (512)")
+    parser.add_argument("--target-embd", type=int, default=1024, help="target width (1024)")
     parser.add_argument("--target-layers", type=int, default=8, help="target layers (8)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     args = parser.parse_args()
