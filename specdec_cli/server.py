@@ -322,6 +322,11 @@ class Metrics:
             ("spec_decode_num_accepted_tokens_per_pos_total", "counter",
              "Draft tokens accepted, by place in their draft (0: first)",
              [(f'{{position="{i}"}}', n) for i, n in sorted(t.accepted_at.items())]),
+            ("spec_decode_num_accepted_beside_chain_total", "counter",
+             "Draft tokens accepted on a tree's side branches (a chain would have missed them)",
+             [("", t.accepted_beside)]),
+            ("target_passes_total", "counter", "Target passes (each verifies one draft)",
+             [("", t.target_passes)]),
         ]  # fmt: skip
         lines = []
         for name, kind, help_text, samples in rows:
@@ -365,6 +370,7 @@ def timings(stats: Stats) -> dict[str, object]:
         "draft_n_accepted": stats.accepted,
         "target_passes": stats.target_passes,
         "tokens_per_pass": stats.tokens_per_pass,
+        "accepted_beside_chain": stats.accepted_beside,
         "k": stats.k,
         "tree": stats.tree,
     }

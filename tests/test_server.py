@@ -222,6 +222,7 @@ def test_a_request_drafts_a_tree(http: httpx.Client, greedy) -> None:
     with more tokens drafted per round than the chain of the same k."""
     body = {"prompt": PROMPT, "max_tokens": 2 * N, "temperature": 0}
     chain = http.post("/v1/completions", json={**body, "speculative": {"k": 3, "tree": "off"}})
+    beside_before = metric(http, "specdec:spec_decode_num_accepted_beside_chain_total")
     tree = http.post("/v1/completions", json={**body, "speculative": {"k": 3, "tree": 8}})
     assert tree.json()["choices"][0]["text"] == greedy(PROMPT, 2 * N)
     per_round = [
@@ -229,6 +230,12 @@ def test_a_request_drafts_a_tree(http: httpx.Client, greedy) -> None:
     ]
     assert tree.json()["timings"]["tree"] == "8"
     assert per_round[1] > per_round[0]
+    # What the branches won is reported per request and counted in /metrics.
+    assert chain.json()["timings"]["accepted_beside_chain"] == 0
+    beside = tree.json()["timings"]["accepted_beside_chain"]
+    assert metric(http, "specdec:spec_decode_num_accepted_beside_chain_total") == (
+        beside_before + beside
+    )
 
 
 def test_stream_chunks_say_where_their_tokens_came_from(http: httpx.Client) -> None:
@@ -486,8 +493,10 @@ def test_busy_then_a_disconnect_stops_the_generation(plain_server: ServerProcess
     assert again.status_code == 200
 
 
-def metric(url: str, name: str) -> float:
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+def metric(server: str | httpx.Client, name: str) -> float:
+    """One unlabelled sample of /metrics, from a server's URL or a client (with its key)."""
+    get = server.get if isinstance(server, httpx.Client) else httpx.Client(base_url=server).get
+    for line in get("/metrics").text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
     raise AssertionError(f"{name} not in /metrics")
