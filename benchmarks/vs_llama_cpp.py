@@ -45,7 +45,10 @@ def llama_speed(args: argparse.Namespace, k: int, fa: str) -> float:
         "-c", str(args.ctx), *args.llama_flags,
     ]  # fmt: skip
     for _ in range(3):  # llama.cpp's log thread now and then loses its last lines at exit
-        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        # The generated text of a random-weight model can split a UTF-8 character.
+        result = subprocess.run(
+            command, capture_output=True, text=True, errors="replace", check=True
+        )
         match = LLAMA_SPEED.search(result.stderr + result.stdout)
         if match:
             return float(match.group(3))
