@@ -314,12 +314,24 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     taken (one vectorised pass, about as cheap as the row's maximum). The k-th largest
     of those column maxima is a logit that at least k tokens reach, so the k largest
     tokens all lie in the columns that reach it: a few thousand values, not the row.
-    A k too large for that (a small vocabulary) sorts the row.
+    A k too large for that (or a small vocabulary) partitions the whole row.
     """
+    ids = _top_k_candidates(logits, k)
+    if len(ids) == k:
+        return ids
+    values = logits[ids]
+    kth = np.partition(values, len(ids) - k)[len(ids) - k]
+    keep = values > kth
+    keep[np.flatnonzero(values == kth)[: k - np.count_nonzero(keep)]] = True
+    return ids[keep]
+
+
+def _top_k_candidates(logits: np.ndarray, k: int) -> np.ndarray:
+    """Ids, ascending, among which the k largest logits are (see top_k_ids)."""
     n = len(logits)
     width = n // TOP_K_ROWS
     if width < 2 * k:
-        return np.sort(np.argsort(-logits, kind="stable")[:k])
+        return np.arange(n)
     body = TOP_K_ROWS * width
     grid = logits[:body].reshape(TOP_K_ROWS, width)
     column_max = grid.max(axis=0)
@@ -328,14 +340,7 @@ def top_k_ids(logits: np.ndarray, k: int) -> np.ndarray:
     rows, at = np.nonzero(grid[:, columns] >= floor)  # row by row: ids ascending
     ids = rows * width + columns[at]
     tail = body + np.flatnonzero(logits[body:] >= floor)  # the few ids past the grid
-    ids = np.concatenate([ids, tail]) if len(tail) else ids
-    if len(ids) == k:
-        return ids
-    values = logits[ids]
-    kth = np.partition(values, len(ids) - k)[len(ids) - k]
-    keep = values > kth
-    keep[np.flatnonzero(values == kth)[: k - np.count_nonzero(keep)]] = True
-    return ids[keep]
+    return np.concatenate([ids, tail]) if len(tail) else ids
 
 
 TOP_K_ROWS = 32  # see top_k_ids
