@@ -15,6 +15,9 @@ from specdec_cli.costmodel import Costs, verify_cost
 from specdec_cli.drafters import Draft, TreeShape
 
 MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
+# Verifying more tokens for at most this much more (in one-token target passes) than
+# the chain's batch counts as free: how AutoTree judges how wide a tree is worth growing.
+FLAT_EXTRA = 0.05
 
 
 class TreePolicy(Protocol):
@@ -107,10 +110,11 @@ class AutoTree:
             self._wait -= 1
             return None
         self._trying = True
+        width = spread(self.flat_nodes(k, nodes), k)
         return TreeShape(
             nodes,
-            MAX_WIDTH,
-            MAX_WIDTH,
+            width,
+            width,
             min_score=max(0.0, bar),
             verify=self.verify[: nodes + 1],
             draft_call=self.costs.draft_over_target,
@@ -128,6 +132,17 @@ class AutoTree:
                 (verify[n] - base + switch) / (n - k) for n in range(k + 1, nodes + 1)
             )
         return self._extra[key]
+
+    def flat_nodes(self, k: int, nodes: int) -> int:
+        """The most draft tokens (k at least, `nodes` at most) that verify for about
+        the price of the k-token chain's batch.
+
+        The width follows from it as for --tree N (`spread`): replayed under a GPU-like
+        curve, a tree of mostly chain with a second choice per depth beat one with four
+        alternatives per node, ranked by the draft's path probabilities, wherever the
+        chain was deep (see benchmarks/README.md)."""
+        base = self.verify[k]
+        return max(n for n in range(k, nodes + 1) if self.verify[n] - base <= FLAT_EXTRA)
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         trying, self._trying = self._trying, False

@@ -192,6 +192,16 @@ def test_auto_tree_sees_past_an_uneven_curve() -> None:
     assert policy.cheapest_extra(3, 6) > 0.2
 
 
+def test_auto_tree_widens_only_where_the_curve_leaves_room_beside_the_chain() -> None:
+    """Width as for --tree N, from the tokens that verify for the chain's price: flat to
+    17 tokens, a 3-deep chain leaves room for 4 alternatives per depth, a 9-deep one
+    for a second choice per depth; on a knee at 8 the 6-deep chain too."""
+    policy = AutoTree(knee_costs(17), 32)
+    assert policy.flat_nodes(3, 32) == policy.flat_nodes(9, 32) == 16
+    assert [policy.shape(k, 100).width for k in (3, 5, 9)] == [4, 3, 2]  # type: ignore[union-attr]
+    assert AutoTree(knee_costs(8), 32).shape(6, 100).width == 2  # type: ignore[union-attr]
+
+
 def test_auto_tree_fills_the_flat_part_of_the_curve(
     target_model: Path, draft_model: Path, reference
 ) -> None:
