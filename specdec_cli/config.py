@@ -203,16 +203,32 @@ def _pair(
             _fail(source, f"{where}.{role}", f"'{ref}' is a pair; name a model")
         roles[role] = models[ref] if ref in models else ModelSpec(path=_model_path(ref, source))
     about = values.pop("about", None)
-    k = values.pop("k", None)
-    if k is not None and k != "auto" and (isinstance(k, str) or k < 1):
-        _fail(source, f"{where}.k", f'must be a number of at least 1 or "auto", got {k!r}')
-    k = None if k is None else str(k)
-    tree = values.pop("tree", None)
-    if tree is not None and tree not in ("off", "auto") and (isinstance(tree, str) or tree < 2):
-        must = 'must be "off", "auto" or a number of at least 2'
-        _fail(source, f"{where}.tree", f"{must}, got {tree!r}")
-    tree = None if tree is None else str(tree)
+    k_must, tree_must = (
+        'a number of at least 1 or "auto"',
+        '"off", "auto" or a number of at least 2',
+    )
+    k = _flag_value(values, "k", 1, ("auto",), k_must, where, source)
+    tree = _flag_value(values, "tree", 2, ("off", "auto"), tree_must, where, source)
     return PairSpec(name=name, k=k, tree=tree, about=about, sampling=values, **roles)
+
+
+def _flag_value(
+    values: dict[str, object],
+    key: str,
+    least: int,
+    words: tuple[str, ...],
+    must: str,
+    where: str,
+    source: Path,
+) -> str | None:
+    """A pair's k or tree (taken out of `values`) as its flag takes it: one of `words`,
+    or a TOML integer of at least `least`, as `must` says; None if the file left it out."""
+    value = values.pop(key, None)
+    if value is None or value in words:
+        return value  # type: ignore[return-value]
+    if isinstance(value, str) or not isinstance(value, int) or value < least:
+        _fail(source, f"{where}.{key}", f"must be {must}, got {value!r}")
+    return str(value)
 
 
 def _check_keys(

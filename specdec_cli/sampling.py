@@ -200,7 +200,9 @@ def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
     np.exp(weights, out=weights)
     total = float(weights.sum())
     ids = _candidates(logits, weights, top, total, params)
-    dist = _filter(ids, logits[ids].astype(np.float64), params, (total, total))
+    kept = logits[ids].astype(np.float64)
+    beyond = total - float(np.exp(kept - top).sum())  # the mass of the other tokens
+    dist = _filter(ids, kept, params, (beyond, beyond))
     assert dist is not None  # the total is exact and the candidates hold the cut
     return dist
 
@@ -236,21 +238,18 @@ def _nucleus_near(
     """The distribution from the tokens within `margin` of the top logit alone, or None
     when they do not settle it.
 
-    Measured in the top token's mass, the candidates weigh `near` exactly, and each of
-    the n_far tokens below them less than exp(-margin): the total lies in
-    [near, near + n_far * exp(-margin)]. Whatever it is within that, min-p and top-p
-    keep the same tokens when (a) every token min-p keeps is a candidate and top-p cuts
-    nothing even at the least total, or (b) top-p cuts within the candidates at the same
-    token for both ends.
+    Measured in the top token's mass, each of the n_far tokens below the candidates
+    weighs less than exp(-margin): together, between 0 and n_far * exp(-margin). Whatever
+    they weigh within that, min-p and top-p keep the same tokens when (a) every token
+    min-p keeps is a candidate and top-p cuts nothing even if they weigh nothing, or (b)
+    top-p cuts within the candidates at the same token for both ends.
     """
     cutoff = top - margin
     ids = np.flatnonzero(logits >= cutoff)
-    kept = logits[ids].astype(np.float64)
-    near = float(np.exp(kept - top).sum())
     # Far tokens are below float32(cutoff), which can round up by a hair: 1e-3 covers it.
     far_most = (len(logits) - len(ids)) * math.exp(1e-3 - margin)
     complete = _min_p_floor(top, params.min_p) >= cutoff
-    return _filter(ids, kept, params, (near, near + far_most), complete)
+    return _filter(ids, logits[ids].astype(np.float64), params, (0.0, far_most), complete)
 
 
 NEAR_MARGINS = (8.0, 16.0, 32.0)  # logits below the top that _nucleus_near tries, in turn
@@ -268,22 +267,24 @@ def _filter(
     ids: np.ndarray,
     kept: np.ndarray,
     params: SamplingParams,
-    total: tuple[float, float] | None = None,
+    beyond: tuple[float, float] = (0.0, 0.0),
     complete: bool = True,
 ) -> Dist | None:
     """min-p and top-p over candidate tokens, then temperature.
 
     `ids` ascending, `kept` their logits in float64. The filters measure probabilities
     against the untempered mass of all the tokens they choose from, in units of the top
-    token's: `total` bounds it (least, most; None: the candidates' own mass).
-    `complete`: the candidates include every token min-p keeps. Returns None when the
-    kept tokens depend on where the total lies within its bounds (or, the candidates not
-    complete, top-p's cut may fall outside them). min-p keeps a prefix of the tokens by
-    decreasing probability, so top-p's prefix, if shorter, lies within it.
+    token's: the candidates' own, plus that of the tokens beyond them, which `beyond`
+    bounds (least, most). `complete`: the candidates include every token min-p keeps.
+    Returns None when the kept tokens depend on where the total lies within its bounds
+    (or, the candidates not complete, top-p's cut may fall outside them). min-p keeps a
+    prefix of the tokens by decreasing probability, so top-p's prefix, if shorter, lies
+    within it.
     """
     top = kept.max()
     mass = np.exp(kept - top)
-    least, most = total or (float(mass.sum()),) * 2
+    own = float(mass.sum())
+    least, most = own + beyond[0], own + beyond[1]
     if params.min_p > 0.0:
         # p_i >= min_p * p_max, and the top token's mass is exactly 1.
         keep = mass >= params.min_p

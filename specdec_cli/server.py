@@ -55,7 +55,7 @@ from specdec_cli.api import (
 from specdec_cli.chat import chat_tokens, render
 from specdec_cli.decode import Decoder
 from specdec_cli.display import note, warn
-from specdec_cli.engine import Engine, EngineOptions, Piece, parse_tree
+from specdec_cli.engine import Engine, EngineOptions, Piece
 from specdec_cli.errors import UserError
 from specdec_cli.stats import Stats
 
@@ -214,13 +214,20 @@ class Service:
                 'send "speculative": false, or leave it out',
                 param="speculative",
             )
-        nodes, room = parse_tree(speculation.tree or "off"), self.engine.tree_nodes
-        if nodes and (not room or (speculation.tree != "auto" and nodes > room)):
+        if speculation.tree == "auto" and not self.engine.tree_nodes:
+            raise ApiError(
+                "this server drafts chains only (its models, or --tree off); "
+                'send "tree": "off", or leave it out',
+                param="speculative",
+            )
+        try:
+            self.engine.check_tree(speculation.tree or "off")
+        except UserError:
             raise ApiError(
                 f"speculative.tree {speculation.tree} is wider than this server drafts (start "
                 f"it with --tree {speculation.tree} or wider)",
                 param="speculative",
-            )
+            ) from None
 
     # In the event loop.
 

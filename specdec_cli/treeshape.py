@@ -90,7 +90,7 @@ class AutoTree:
         self.max_nodes = max_nodes
         # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
         self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
-        self._extra: dict[tuple[int, int], float] = {}  # cheapest_extra's answers
+        self._plans: dict[tuple[int, int], tuple[float, int]] = {}  # see _plan
         self.begin()
 
     def begin(self) -> None:
@@ -103,14 +103,14 @@ class AutoTree:
         nodes = min(self.max_nodes, limit)
         if nodes <= k:
             return None
-        bar = self.rate * self.cheapest_extra(k, nodes)
+        extra, width = self._plan(k, nodes)
+        bar = self.rate * extra
         if bar >= 1.0:  # not even a certain token beside the chain would pay: a chain
             return None
         if self._wait:
             self._wait -= 1
             return None
         self._trying = True
-        width = spread(self.flat_nodes(k, nodes), k)
         return TreeShape(
             nodes,
             width,
@@ -120,24 +120,28 @@ class AutoTree:
             draft_call=self.costs.draft_over_target,
         )
 
+    def _plan(self, k: int, nodes: int) -> tuple[float, int]:
+        """cheapest_extra, and the width (as for --tree N, from flat_nodes), of a round
+        k deep with room for `nodes`: asked every round, for a few (k, nodes), worked out
+        once each."""
+        key = (k, nodes)
+        if key not in self._plans:
+            width = spread(self.flat_nodes(k, nodes), k)
+            self._plans[key] = self.cheapest_extra(k, nodes), width
+        return self._plans[key]
+
     def cheapest_extra(self, k: int, nodes: int) -> float:
         """The least that a token beside a k-token chain adds to the verification, on
         average over the ones added with it (a curve can be uneven), counting the graph
-        rebuild that leaving the chain's batch size costs. Asked every round, for a few
-        (k, nodes): worked out once each."""
-        key = (k, nodes)
-        if key not in self._extra:
-            base, verify, switch = self.verify[k], self.verify, self.costs.switch
-            self._extra[key] = min(
-                (verify[n] - base + switch) / (n - k) for n in range(k + 1, nodes + 1)
-            )
-        return self._extra[key]
+        rebuild that leaving the chain's batch size costs."""
+        base, verify, switch = self.verify[k], self.verify, self.costs.switch
+        return min((verify[n] - base + switch) / (n - k) for n in range(k + 1, nodes + 1))
 
     def flat_nodes(self, k: int, nodes: int) -> int:
         """The most draft tokens (k at least, `nodes` at most) that verify for about
         the price of the k-token chain's batch.
 
-        The width follows from it as for --tree N (`spread`): replayed under a GPU-like
+        The width follows from it as for --tree N (`spread`). Replayed under a GPU-like
         curve, a tree of mostly chain with a second choice per depth beat one with four
         alternatives per node, ranked by the draft's path probabilities, wherever the
         chain was deep (see benchmarks/README.md)."""
