@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from specdec_cli.llama import Context
+from specdec_cli.rowexp import exp_sum
 from specdec_cli.sampling import Dist, SamplingParams, chain_parents, distribution
 
 
@@ -251,9 +252,7 @@ class ModelDrafter:
         vocabulary-sized array is allocated per token."""
         if self._scratch.shape != logits.shape:
             self._scratch = np.empty_like(logits)
-        np.subtract(logits, logits[top], out=self._scratch)
-        np.exp(self._scratch, out=self._scratch)
-        return float(1.0 / self._scratch.sum())
+        return 1.0 / exp_sum(logits, float(logits[top]), out=self._scratch)
 
 
 class _Growth:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec_cli.rowexp import exp_sum
+
 BLOCK = 1024  # tokens per block sum of a DenseDist
 # From this vocabulary size on, the passes over a whole row (every token's exp) are
 # float32: half the memory traffic and a faster exp than float64, with a relative error
@@ -96,22 +98,20 @@ class Dist:
 class DenseDist(Dist):
     """Every token of the vocabulary: `ids` is 0..n-1, so a token is its own index.
 
-    `blocks` holds the probability of each run of BLOCK consecutive tokens: drawing a
-    token takes two short cumulative sums (which block, then where in it) instead of
-    one over the whole vocabulary.
+    Drawing a token takes two short cumulative sums, over the sums of each run of BLOCK
+    consecutive tokens and then within the chosen run, instead of one over the whole
+    vocabulary. The block sums are taken only when a token is drawn: most of a chain's
+    target rows are only looked up, at the drafted token.
     """
 
-    blocks: np.ndarray
-
     @classmethod
-    def from_weights(cls, weights: np.ndarray) -> DenseDist:
-        """Normalise `weights`, one per token, non-negative: the array is taken over and
-        scaled in place."""
-        ids, starts = _dense_layout(len(weights))
-        blocks = np.add.reduceat(weights, starts).astype(np.float64)
-        total = blocks.sum()
+    def from_weights(cls, weights: np.ndarray, total: float | None = None) -> DenseDist:
+        """Normalise `weights`, one per token, non-negative, summing to `total` (taken
+        here if not given): the array is taken over and scaled in place."""
+        if total is None:
+            total = float(weights.sum())
         weights *= 1.0 / total
-        return cls(ids, weights, blocks / total)
+        return cls(_dense_layout(len(weights))[0], weights)
 
     def find(self, tokens: np.ndarray) -> np.ndarray:
         return np.asarray(tokens)
@@ -120,7 +120,8 @@ class DenseDist(Dist):
         return float(self.probs[token])
 
     def sample(self, rng: np.random.Generator) -> int:
-        start = _draw(self.blocks, rng) * BLOCK
+        blocks = np.add.reduceat(self.probs, _dense_layout(len(self.probs))[1])
+        start = _draw(blocks, rng) * BLOCK
         return start + _draw(self.probs[start : start + BLOCK], rng)
 
     def reweighted(self, weights: np.ndarray) -> DenseDist:
@@ -173,11 +174,9 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> Dist:
 
 def _softmax(logits: np.ndarray, temp: float) -> DenseDist:
     """softmax(logits / temp) over the whole vocabulary, computed in the array it returns."""
-    weights = np.empty(len(logits), np.float32)
-    np.subtract(logits, logits.max(), out=weights)
-    weights *= 1.0 / temp
-    np.exp(weights, out=weights)
-    return DenseDist.from_weights(weights)
+    weights = np.multiply(logits, np.float32(1.0 / temp))
+    top = float(weights.max())
+    return DenseDist.from_weights(weights, exp_sum(weights, top, out=weights))
 
 
 def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
@@ -196,9 +195,7 @@ def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
         if dist is not None:
             return dist
     weights = _scratch(len(logits))
-    np.subtract(logits, top, out=weights)
-    np.exp(weights, out=weights)
-    total = float(weights.sum())
+    total = exp_sum(logits, top, out=weights)
     ids = _candidates(logits, weights, top, total, params)
     kept = logits[ids].astype(np.float64)
     beyond = total - float(np.exp(kept - top).sum())  # the mass of the other tokens
@@ -374,10 +371,14 @@ def residual(p: Dist, q: Dist) -> Dist:
     Its support is inside p's, so p's ids are enough. If p and q are equal (a rejection
     then has probability zero, but floating point can still get here), fall back to p.
     """
-    r = p.probs.copy()
     if isinstance(p, DenseDist) and isinstance(q, DenseDist):
-        r -= q.probs
-    elif len(q.ids) < len(p.ids):  # q's few tokens looked up in p (an n-gram's point)
+        r = np.subtract(p.probs, q.probs)
+        # Against an array of zeros: numpy's maximum with a scalar is not vectorised.
+        np.maximum(r, _zeros(len(r)), out=r)
+        total = float(r.sum())
+        return DenseDist.from_weights(r, total) if total > 0.0 else p
+    r = p.probs.copy()
+    if len(q.ids) < len(p.ids):  # q's few tokens looked up in p (an n-gram's point)
         at = p.find(q.ids)
         hit = at >= 0
         r[at[hit]] -= q.probs[hit]
@@ -387,6 +388,13 @@ def residual(p: Dist, q: Dist) -> Dist:
     if not r.any():
         return p
     return p.reweighted(r)
+
+
+@functools.cache
+def _zeros(n_vocab: int) -> np.ndarray:
+    zeros = np.zeros(n_vocab, np.float32)
+    zeros.flags.writeable = False
+    return zeros
 
 
 def chain_parents(n: int) -> list[int]:

@@ -331,6 +331,7 @@ def sampled_counts(
     n = len(d.ids)
     samples = np.array([(d.sample(rng) + shift) % n for _ in range(n_samples)])
     probs = dense(d, n)
+    probs /= probs.sum()  # a float32 row sums to 1 only to its rounding; draws are in proportion
     rest = np.ones(n, bool)
     rest[strong] = False
     edges = np.searchsorted(
