@@ -118,7 +118,7 @@ def describe_build() -> dict[str, object]:
     """What `specdec info` shows without a model: the llama.cpp build and this machine."""
     from llama_cpp import __version__ as binding
 
-    from specdec_cli import backend, costcache, machine
+    from specdec_cli import backend, costcache, machine, rowexp
     from specdec_cli.config import default_config_path
 
     system_info = backend.system_info()
@@ -130,6 +130,7 @@ def describe_build() -> dict[str, object]:
         "system_info": system_info,
         "physical_cores": machine.physical_cores(),
         "cpu_amx": machine.advertises_amx(machine.cpu_flags(), system_info),
+        "row_exp": rowexp.kernel_name(),
         "cache_dir": str(costcache.cache_dir()),
         "config_file": str(default_config_path()),
     }
@@ -145,6 +146,7 @@ def _build_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
         ("llama.cpp system info", str(facts["system_info"])),
         ("physical cores", str(facts["physical_cores"])),
         ("CPU advertises AMX", "yes" if facts["cpu_amx"] else "no"),
+        ("exp over a row (sampling)", str(facts["row_exp"])),
         ("cache", str(facts["cache_dir"])),
         ("config file", str(facts["config_file"])),
     ]

@@ -39,6 +39,11 @@ def exp_sum(x: np.ndarray, shift: float, out: np.ndarray) -> float:
     return _kernel()(x, shift, out)
 
 
+def kernel_name() -> str:
+    """Which exp is in use, for `specdec info`."""
+    return "numpy" if _kernel() is numpy_exp_sum else "llama.cpp (ggml_vec_soft_max_f32)"
+
+
 @functools.cache
 def _kernel() -> ExpSum:
     kernel = _ggml_kernel()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_cli_run import assert_user_error, specdec
 
-from specdec_cli import backend, engine
+from specdec_cli import backend, engine, rowexp
 from specdec_cli.backend import Device, pick_devices
 from specdec_cli.engine import Engine, EngineOptions, model_params, offload_warning
 from specdec_cli.errors import UserError
@@ -132,6 +132,7 @@ def test_cli_version_and_devices() -> None:
     info = specdec("info")
     assert info.returncode == 0
     assert "llama.cpp backends: " in info.stdout and "GPU offload: " in info.stdout
+    assert f"exp over a row (sampling): {rowexp.kernel_name()}\n" in info.stdout
 
 
 def test_cli_explicit_gpu_layers_on_a_cpu_build_warn_once(target_model: Path) -> None:

@@ -54,6 +54,7 @@ def test_llama_cpp_kernel_matches_numpy(n: int) -> None:
 def test_llama_cpp_kernel_is_used_where_it_checks_out() -> None:
     ggml_kernel_or_skip()
     assert rowexp._kernel() is not numpy_exp_sum
+    assert rowexp.kernel_name() == "llama.cpp (ggml_vec_soft_max_f32)"
 
 
 def test_llama_cpp_kernel_refuses_rows_it_would_misread() -> None:
@@ -98,6 +99,7 @@ def test_a_build_without_the_library_falls_back_to_numpy(monkeypatch: pytest.Mon
     monkeypatch.setattr(rowexp.ctypes_ext, "load_shared_library", missing)
     assert rowexp._ggml_kernel() is None
     assert rowexp._kernel() is numpy_exp_sum
+    assert rowexp.kernel_name() == "numpy"
 
 
 @pytest.mark.parametrize(
