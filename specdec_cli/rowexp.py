@@ -19,8 +19,8 @@ import math
 from collections.abc import Callable
 
 import llama_cpp._ctypes_extensions as ctypes_ext
+import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
-from llama_cpp._ggml import libggml_base_path
 
 ExpSum = Callable[[np.ndarray, float, np.ndarray], float]
 
@@ -58,7 +58,8 @@ def numpy_exp_sum(x: np.ndarray, shift: float, out: np.ndarray) -> float:
 
 def _ggml_kernel() -> ExpSum | None:
     try:
-        library = ctypes_ext.load_shared_library("ggml-cpu", libggml_base_path)
+        # Beside the libllama in use (LLAMA_CPP_LIB_PATH can move it): the same build.
+        library = ctypes_ext.load_shared_library("ggml-cpu", llama_cpp._base_path)
         function = library.ggml_vec_soft_max_f32
     except (OSError, RuntimeError, AttributeError):  # no such library, or no such symbol
         return None
