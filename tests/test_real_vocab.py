@@ -184,10 +184,17 @@ def test_target_only_matches_llama_cpp_python_greedy(
     assert reference(family) == llama_cpp_greedy(target, prompt, N_TOKENS, engine.flash_attn.used)
 
 
-def test_sampled_run_with_a_152k_vocabulary(pair_engine: Callable[[str], Engine]) -> None:
-    """llama.cpp's default sampling settings, over logits rows 152k wide."""
+@pytest.mark.parametrize(
+    "sampling",
+    [SamplingParams(), SamplingParams(top_k=0, top_p=1.0, min_p=0.0)],
+    ids=["defaults", "every filter off"],
+)
+def test_sampled_run_with_a_152k_vocabulary(
+    pair_engine: Callable[[str], Engine], sampling: SamplingParams
+) -> None:
+    """Sampling over logits rows 152k wide: llama.cpp's default settings, and every
+    filter off (each row's exp over the whole vocabulary, `rowexp`)."""
     engine = pair_engine("qwen2")
-    sampling = SamplingParams()
     drafter = ModelDrafter(engine.draft_ctx, sampling, engine.model.n_vocab)
     decoder = Decoder(engine.target, drafter, sampling, FixedLength(3))
     first, stats = generate(engine, N_TOKENS, seed=3, decoder=decoder)
