@@ -1,16 +1,22 @@
 """specdec against llama.cpp's own `llama-speculative-simple`, side by side.
 
 Runs `specdec run` (with its defaults, or the flags given) and llama.cpp's tool on the
-same pair, prompt and length, alternating between them, and reports each side's
+same pair, prompts and length, alternating between them, and reports each side's
 median generation speed (tokens/s after the prompt, as both tools count it) and the
 ratio. llama.cpp's tool is run at every `--k` and `--fa` given, so that specdec's
 defaults meet llama.cpp at its best setting.
+
+One measurement is a pass over every prompt (by default `specdec bench`'s built-in
+five): its speed is their tokens over their seconds. A single prompt is a poor judge:
+a setting that changes the logits' last bits (`-fa`) changes the greedy text, and with
+it how easy the text is to draft, by more than the setting's own cost.
 
 Build the tool from the llama.cpp tree in llama-cpp-python's source distribution
 (`vendor/llama.cpp`): `cmake -B build -DLLAMA_CURL=OFF && cmake --build build
 --target llama-speculative-simple`. See benchmarks/README.md.
 
     python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET -d DRAFT [--k 2,3,4] [--fa on,off]
+        [-p PROMPT ...]
 """
 
 from __future__ import annotations
@@ -21,25 +27,40 @@ import re
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-PROMPT = "Once upon a time, there was a little girl named Lily. She loved to"
+from specdec_cli.bench import BUILTIN_PROMPTS
+
 LLAMA_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 
 
-def specdec_speed(args: argparse.Namespace) -> float:
+def over_prompts(speed: Callable[..., float]) -> Callable[..., float]:
+    """One measurement: every prompt once, their tokens over their seconds (each prompt
+    generates the same number of tokens, so that is the harmonic mean of the speeds)."""
+
+    def measure(args: argparse.Namespace, *variant: object) -> float:
+        speeds = [speed(args, prompt, *variant) for prompt in args.prompts]
+        return statistics.harmonic_mean(speeds)
+
+    return measure
+
+
+@over_prompts
+def specdec_speed(args: argparse.Namespace, prompt: str) -> float:
     command = [
         sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft,
-        "-p", args.prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
+        "-p", prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
         "-c", str(args.ctx), "--json", *args.specdec_flags,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(json.loads(result.stdout)["tokens_per_second"])
 
 
-def llama_speed(args: argparse.Namespace, k: int, fa: str) -> float:
+@over_prompts
+def llama_speed(args: argparse.Namespace, prompt: str, k: int, fa: str) -> float:
     command = [
-        args.llama, "-m", args.model, "-md", args.draft, "-p", args.prompt,
+        args.llama, "-m", args.model, "-md", args.draft, "-p", prompt,
         "-n", str(args.n), "--temp", "0", "-t", str(args.threads), "-td", str(args.threads),
         "-fa", fa, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
         "-c", str(args.ctx), *args.llama_flags,
@@ -60,7 +81,10 @@ def main() -> None:
     parser.add_argument("--llama", required=True, help="path of llama-speculative-simple")
     parser.add_argument("-m", "--model", required=True, help="target GGUF")
     parser.add_argument("-d", "--draft", required=True, help="draft GGUF")
-    parser.add_argument("-p", "--prompt", default=PROMPT)
+    parser.add_argument(
+        "-p", "--prompt", action="append", dest="prompts", help="a prompt (repeatable; "
+        "default: specdec bench's five)"
+    )  # fmt: skip
     parser.add_argument("-n", type=int, default=128, help="tokens to generate (128)")
     parser.add_argument("-t", "--threads", type=int, default=2)
     parser.add_argument("-c", "--ctx", type=int, default=2048, help="context, both sides (2048)")
@@ -72,6 +96,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args()
     args.specdec_flags, args.llama_flags = args.specdec_flags.split(), args.llama_flags.split()
+    args.prompts = args.prompts or list(BUILTIN_PROMPTS.values())
 
     llama_variants = [(int(k), fa) for k in args.k.split(",") for fa in args.fa.split(",")]
     specdec_speed(args)  # warm-up: the first run may measure costs and -fa auto, once
