@@ -226,7 +226,7 @@ def _flag_value(
     value = values.pop(key, None)
     if value is None or value in words:
         return value  # type: ignore[return-value]
-    if isinstance(value, str) or not isinstance(value, int) or value < least:
+    if not isinstance(value, int) or value < least:
         _fail(source, f"{where}.{key}", f"must be {must}, got {value!r}")
     return str(value)
 

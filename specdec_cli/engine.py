@@ -293,20 +293,20 @@ class Engine:
         policy = self._tree_policy(tree, kind)
         return Decoder(self.target, drafter, sampling, length, k, policy, tree if policy else "off")
 
-    def check_tree(self, tree: str) -> None:
-        """Refuse a tree setting wider than this engine was made for. "auto" always fits:
-        where no tree can be drafted, it drafts chains."""
+    def fits_tree(self, tree: str) -> bool:
+        """Whether a tree setting is no wider than this engine was made for. "auto"
+        always fits: where no tree can be drafted, it drafts chains."""
         nodes = parse_tree(tree)
-        if nodes is not None and tree != "auto" and nodes > self.tree_nodes:
-            raise UserError(
-                f"--tree {tree} is wider than this engine was made for ({self.tree_nodes})"
-            )
+        return nodes is None or tree == "auto" or nodes <= self.tree_nodes
 
     def _tree_policy(self, tree: str, kind: str) -> TreePolicy | None:
         nodes = parse_tree(tree)
         if nodes is None or not self.tree_nodes:
             return None
-        self.check_tree(tree)
+        if not self.fits_tree(tree):
+            raise UserError(
+                f"--tree {tree} is wider than this engine was made for ({self.tree_nodes})"
+            )
         if tree == "auto":
             return AutoTree(self._costs_for(kind), min(nodes, self.tree_nodes))
         return FixedTree(nodes)

@@ -197,9 +197,8 @@ def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
     weights = _scratch(len(logits))
     total = exp_sum(logits, top, out=weights)
     ids = _candidates(logits, weights, top, total, params)
-    kept = logits[ids].astype(np.float64)
-    beyond = total - float(np.exp(kept - top).sum())  # the mass of the other tokens
-    dist = _filter(ids, kept, params, (beyond, beyond))
+    beyond = total - float(weights[ids].sum())  # the mass of the other tokens
+    dist = _filter(ids, logits[ids].astype(np.float64), params, (beyond, beyond))
     assert dist is not None  # the total is exact and the candidates hold the cut
     return dist
 

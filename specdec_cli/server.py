@@ -220,14 +220,12 @@ class Service:
                 'send "tree": "off", or leave it out',
                 param="speculative",
             )
-        try:
-            self.engine.check_tree(speculation.tree or "off")
-        except UserError:
+        if not self.engine.fits_tree(speculation.tree or "off"):
             raise ApiError(
                 f"speculative.tree {speculation.tree} is wider than this server drafts (start "
                 f"it with --tree {speculation.tree} or wider)",
                 param="speculative",
-            ) from None
+            )
 
     # In the event loop.
 
