@@ -58,11 +58,11 @@ def specdec_speed(args: argparse.Namespace, prompt: str) -> float:
 
 
 @over_prompts
-def llama_speed(args: argparse.Namespace, prompt: str, k: int, fa: str) -> float:
+def llama_speed(args: argparse.Namespace, prompt: str, spec: str, k: int, fa: str) -> float:
     command = [
         args.llama, "-m", args.model, "-md", args.draft, "-p", prompt,
         "-n", str(args.n), "--temp", "0", "-t", str(args.threads), "-td", str(args.threads),
-        "-fa", fa, "--spec-type", "draft-simple", "--spec-draft-n-max", str(k),
+        "-fa", fa, "--spec-type", spec, "--spec-draft-n-max", str(k),
         "-c", str(args.ctx), *args.llama_flags,
     ]  # fmt: skip
     for _ in range(3):  # llama.cpp's log thread now and then loses its last lines at exit
@@ -74,6 +74,10 @@ def llama_speed(args: argparse.Namespace, prompt: str, k: int, fa: str) -> float
         if match:
             return float(match.group(3))
     sys.exit(f"no speed line in llama.cpp's output:\n{result.stderr[-2000:]}")
+
+
+def llama_name(spec: str, k: int, fa: str) -> str:
+    return f"llama {spec} k={k} -fa {fa}"
 
 
 def main() -> None:
@@ -90,6 +94,11 @@ def main() -> None:
     parser.add_argument("-c", "--ctx", type=int, default=2048, help="context, both sides (2048)")
     parser.add_argument("--k", default="2,3,4,5", help="llama.cpp draft lengths to try")
     parser.add_argument("--fa", default="on,off", help="llama.cpp -fa settings to try")
+    parser.add_argument(
+        "--spec-type", action="append", dest="spec_types", help="llama.cpp --spec-type "
+        "value to try (repeatable; default: draft-simple). Lookup with the draft model: "
+        "ngram-simple,draft-simple (its n-gram flags go in --llama-flags)"
+    )  # fmt: skip
     parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")
     parser.add_argument("--specdec-flags", default="", help="extra flags for specdec run")
     parser.add_argument("--llama-flags", default="", help="extra flags for llama.cpp")
@@ -98,21 +107,26 @@ def main() -> None:
     args.specdec_flags, args.llama_flags = args.specdec_flags.split(), args.llama_flags.split()
     args.prompts = args.prompts or list(BUILTIN_PROMPTS.values())
 
-    llama_variants = [(int(k), fa) for k in args.k.split(",") for fa in args.fa.split(",")]
+    llama_variants = [
+        (spec, int(k), fa)
+        for spec in args.spec_types or ["draft-simple"]
+        for k in args.k.split(",")
+        for fa in args.fa.split(",")
+    ]
     specdec_speed(args)  # warm-up: the first run may measure costs and -fa auto, once
     runs: dict[str, list[float]] = {"specdec": []}
-    runs |= {f"llama k={k} -fa {fa}": [] for k, fa in llama_variants}
+    runs |= {llama_name(*variant): [] for variant in llama_variants}
     for _ in range(args.repeat):
         runs["specdec"].append(specdec_speed(args))
-        for k, fa in llama_variants:
-            runs[f"llama k={k} -fa {fa}"].append(llama_speed(args, k, fa))
+        for variant in llama_variants:
+            runs[llama_name(*variant)].append(llama_speed(args, *variant))
             runs["specdec"].append(specdec_speed(args))  # alternate: drift hits both
 
     medians = {name: statistics.median(values) for name, values in runs.items()}
     best = max((name for name in medians if name != "specdec"), key=medians.__getitem__)
     for name, value in medians.items():
         spread = f"{min(runs[name]):.1f}-{max(runs[name]):.1f}"
-        print(f"{name:24} {value:8.1f} tok/s  (min-max {spread}, {len(runs[name])} runs)")
+        print(f"{name:40} {value:8.1f} tok/s  (min-max {spread}, {len(runs[name])} runs)")
     print(f"specdec / llama.cpp at its best ({best}): {medians['specdec'] / medians[best]:.3f}x")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "medians": medians, "best": best}, indent=1))
