@@ -35,7 +35,7 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import EngineOptions, GenerationOptions, parse_tree
+from specdec_cli.engine import EngineOptions, GenerationOptions, model_drafter_kind, parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.options import (
     MODEL_HELP,
@@ -394,7 +394,7 @@ def bench(
     """
     _check_outputs(json_path, plot_path)
     drafts = draft or []
-    kinds = _drafter_kinds(drafts)
+    kinds = _drafter_kinds(drafts, engine_flags["ngram"])
     plan = BenchOptions(
         **only_given(ks=k, trees=tree, n_predict=n_predict, repeat=repeat, seed=seed)
     )
@@ -438,12 +438,15 @@ def check_writable(path: Path, flag: str) -> None:
         raise UserError(f"{flag} {path}: not writable here; choose another path")
 
 
-def _drafter_kinds(drafts: list[str]) -> list[str]:
-    """Each drafter -d names, alone, and both together (lookup first) when both are named."""
+def _drafter_kinds(drafts: list[str], ngram: bool | None) -> list[str]:
+    """What -d names: each of a model and 'ngram' alone, and both together (lookup
+    first); a model alone drafts as `run` would (with lookup first, unless --no-ngram)."""
     if not drafts:
         raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
-    model_draft, ngram = split_drafts(drafts)
-    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", ngram)) if asked]
+    model_draft, lookup = split_drafts(drafts)
+    if model_draft and not lookup:
+        return [model_drafter_kind(ngram)]
+    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", lookup)) if asked]
     if len(kinds) == 2:
         kinds.append("model+ngram")
     return kinds

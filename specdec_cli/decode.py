@@ -9,7 +9,7 @@ chain is the tree with one branch).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,11 +50,15 @@ class Decoder:
         label: str = "0",
         tree: TreePolicy | None = None,
         tree_label: str = "off",
+        lengths: Mapping[str, DraftLength] | None = None,
     ) -> None:
+        """`length` sets how much each round drafts; `lengths`, by drafter name, for a
+        drafter whose guesses follow their own pattern (a lookup beside a model)."""
         self.target = target
         self.drafter = drafter
         self.sampling = sampling
         self.length = length or FixedLength(0)
+        self.lengths = dict(lengths or {})
         self.label = label  # how the user named the draft length: "4", "auto"
         self.tree = tree  # None: chains
         self.tree_label = tree_label  # how the user named it: "off", "auto", "16"
@@ -106,7 +110,6 @@ class Decoder:
 
         tokens = list(prompt)
         n_new = 0
-        keep_drafting = self.length.keep_drafting if self.length.uses_confidence else None
         try:
             while True:
                 # The target has not seen the last token (nor, after a recurrent model's
@@ -117,8 +120,10 @@ class Decoder:
                 # and verify in one decode call (the logits of one call are all kept).
                 room = min(n_predict - n_new, target.n_ctx - len(tokens))
                 limit = min(room - 1, target.n_batch - len(unseen))
-                k = self.length.choose(limit) if drafter else 0
+                length = self._length_for(tokens)
+                k = length.choose(limit) if drafter else 0
                 shape = self.tree.shape(k, limit) if self.tree and k > 0 else None
+                keep_drafting = length.keep_drafting if length.uses_confidence else None
                 draft_start = _decode_seconds(draft_ctx)
                 draft = drafter.propose(tokens, k, rng, keep_drafting, shape) if k > 0 else NO_DRAFT
                 verify_start = target.decode_seconds
@@ -139,7 +144,7 @@ class Decoder:
                     verify_seconds: float | None = target.decode_seconds - verify_start
                 else:  # k decides which random numbers go where: a seed must reproduce
                     draft_seconds = verify_seconds = None
-                self.length.observe(draft, n_accepted, draft_seconds, verify_seconds)
+                length.observe(draft, n_accepted, draft_seconds, verify_seconds)
                 if self.tree:
                     self.tree.observe(draft, path)
 
@@ -171,6 +176,12 @@ class Decoder:
             stats.draft_seconds = _decode_seconds(draft_ctx) - draft_before
             if draft_ctx:
                 stats.draft_calls = draft_ctx.decode_calls - draft_calls_before
+
+    def _length_for(self, tokens: list[int]) -> DraftLength:
+        """The draft length policy of whoever drafts next."""
+        if not self.lengths or self.drafter is None:
+            return self.length
+        return self.lengths.get(self.drafter.next_source(tokens), self.length)
 
     def _verify(
         self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams

@@ -113,6 +113,11 @@ class Drafter(Protocol):
         """A new generation from `prompt`, sampling with `sampling` (None: as before)."""
         ...
 
+    def next_source(self, tokens: list[int]) -> str:
+        """Who will draft after `tokens` (a drafter's name): the decode loop takes the
+        round's length from that drafter's own policy, as their guesses differ."""
+        ...
+
     def propose(
         self,
         tokens: list[int],
@@ -151,6 +156,9 @@ class ModelDrafter:
             self.sampling = sampling
         self.ctx.prefill(prompt[:-1])
         self._n_cached, self._unchecked = len(prompt) - 1, []
+
+    def next_source(self, tokens: list[int]) -> str:
+        return self.name
 
     def _sync(self, tokens: list[int]) -> int:
         """Drop the cached draft tokens that were not accepted; return the cache length
@@ -426,6 +434,20 @@ class NgramDrafter:
                     del ends[0]
         self._indexed = max(self._indexed, upto)
 
+    def next_source(self, tokens: list[int]) -> str:
+        return self.name
+
+    def matches(self, tokens: list[int]) -> list[int]:
+        """Where the longest n-gram that ends `tokens` ended before (its latest
+        occurrences, the latest last); [] when none did."""
+        # Index every n-gram that ends before the last token, then look the suffix up.
+        self._index(tokens, len(tokens) - 1)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            ends = self._ends.get(tuple(tokens[-n:]))
+            if ends:
+                return ends
+        return []
+
     def propose(
         self,
         tokens: list[int],
@@ -435,18 +457,13 @@ class NgramDrafter:
         shape: TreeShape | None = None,
     ) -> Draft:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
-        # Index every n-gram that ends before the last token, then look the suffix up.
-        self._index(tokens, len(tokens) - 1)
         draft = Draft(source=self.name)
-        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            ends = self._ends.get(tuple(tokens[-n:]))
-            if ends:
-                if shape is None or shape.is_chain:
-                    draft.tokens = tokens[ends[-1] + 1 : ends[-1] + 1 + k]
-                else:
-                    continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
-                    _merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
-                break
+        ends = self.matches(tokens)
+        if ends and (shape is None or shape.is_chain):
+            draft.tokens = tokens[ends[-1] + 1 : ends[-1] + 1 + k]
+        elif ends:
+            continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
+            _merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
         return draft
@@ -490,11 +507,22 @@ class LookupThenModel:
         self.ctx = model.ctx
         self.hit_rate = {lookup.name: 1.0, model.name: 1.0}  # the model, until the lookup wins
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
+        self._decided: tuple[int, str] | None = None  # (tokens, who drafts after them)
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         self.lookup.begin(prompt, sampling)
         self.model.begin(prompt, sampling)
-        self._guesses = []
+        self._guesses, self._decided = [], None
+
+    def next_source(self, tokens: list[int]) -> str:
+        """The lookup where it matches and has lately been the better guesser; decided
+        once a round (the text only grows), after scoring last round's guesses."""
+        if self._decided is None or self._decided[0] != len(tokens):
+            self._score(tokens)
+            better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
+            source = self.lookup.name if better and self.lookup.matches(tokens) else self.model.name
+            self._decided = (len(tokens), source)
+        return self._decided[1]
 
     def _score(self, tokens: list[int]) -> None:
         """Last round's guesses against what followed: tokens up to the first miss were
@@ -517,11 +545,11 @@ class LookupThenModel:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
     ) -> Draft:
-        self._score(tokens)
+        source = self.next_source(tokens)
         guess = self.lookup.propose(tokens, k, rng, shape=shape)
         if guess.tokens:
             self._guesses.append((self.lookup.name, len(tokens), guess.primary_path()))
-            if self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]:
+            if source == self.lookup.name:
                 return guess
         draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))

@@ -74,7 +74,9 @@ class GenerationOptions:
 class EngineOptions:
     target: Path
     draft: Path | None = None  # a draft model file
-    ngram: bool = False  # n-gram lookup: alone, or tried before the draft model
+    # N-gram lookup: alone, or tried before the draft model. None: before a draft model,
+    # where it costs nothing (it drafts only where it has lately guessed better).
+    ngram: bool | None = None
     n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_MAX_CTX
     threads: int = 0  # 0: the machine's physical cores
     threads_draft: int = 0  # 0: same as threads
@@ -91,11 +93,17 @@ class EngineOptions:
     drafting: DraftOptions = field(default_factory=DraftOptions)
 
 
-def drafter_kind(model: bool, ngram: bool) -> str | None:
-    """The drafter for a draft model and/or n-gram lookup: see Engine.make_decoder."""
+def drafter_kind(model: bool, ngram: bool | None) -> str | None:
+    """The drafter for a draft model and/or n-gram lookup (see EngineOptions.ngram and
+    Engine.make_decoder)."""
     if model:
-        return "model+ngram" if ngram else "model"
+        return model_drafter_kind(ngram)
     return "ngram" if ngram else None
+
+
+def model_drafter_kind(ngram: bool | None) -> str:
+    """A draft model's drafter: lookup first, unless turned off."""
+    return "model" if ngram is False else "model+ngram"
 
 
 def parse_gpu_layers(value: str, flag: str = "-ngl") -> int:
@@ -278,20 +286,25 @@ class Engine:
             drafter = LookupThenModel(
                 lookup, ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
             )
-        n = parse_k(k)
-        length: DraftLength
-        if n is None:
-            length = AutoLength(
-                self._costs_for(kind),
-                d.draft_min,
-                d.draft_max,
-                d.p_min,
-                uses_confidence=d.p_min > 0.0,
-            )
-        else:
-            length = FixedLength(n, d.p_min)
+        # With -k auto, a lookup beside the model learns its own length: copied text is
+        # accepted far longer than the model's guesses.
+        lengths = {"ngram": self._draft_length("ngram", k)} if kind == "model+ngram" else {}
+        length = self._draft_length(kind, k)
         policy = self._tree_policy(tree, kind)
-        return Decoder(self.target, drafter, sampling, length, k, policy, tree if policy else "off")
+        return Decoder(
+            self.target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
+        )
+
+    def _draft_length(self, kind: str, k: str) -> DraftLength:
+        """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
+        with what this drafter costs."""
+        d = self.options.drafting
+        n = parse_k(k)
+        if n is not None:
+            return FixedLength(n, d.p_min)
+        return AutoLength(
+            self._costs_for(kind), d.draft_min, d.draft_max, d.p_min, uses_confidence=d.p_min > 0.0
+        )
 
     def fits_tree(self, tree: str) -> bool:
         """Whether a tree setting is no wider than this engine was made for. "auto"

@@ -51,9 +51,8 @@ ModelOpt = Annotated[
     typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
 ]
 DRAFT_HELP = (
-    "Draft model (same forms as -m), 'ngram' for prompt lookup, or 'none' for "
-    "target-only decoding. Both a model and 'ngram' (-d MODEL -d ngram): lookup "
-    "first, the model where the text offers nothing to copy."
+    "Draft model (same forms as -m), 'ngram' for prompt lookup alone, or 'none' for "
+    "target-only decoding. A draft model comes with lookup first (see --ngram)."
 )
 DraftsOpt = Annotated[
     list[str] | None,
@@ -166,6 +165,17 @@ RepackOpt = Annotated[
         help=described(
             "Repack weights for the CPU's fastest kernels.",
             "on, unless a test run shows that they crash on this CPU",
+        ),
+    ),
+]
+NgramOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--ngram/--no-ngram",
+        help=described(
+            "N-gram lookup before the draft model: it drafts where the text repeats "
+            "itself and its guesses have lately beaten the model's.",
+            "on with a draft model",
         ),
     ),
 ]
@@ -352,6 +362,7 @@ ENGINE_FLAGS = {
     "draft_max": DraftMaxOpt,
     "draft_min": DraftMinOpt,
     "draft_p_min": DraftPMinOpt,
+    "ngram": NgramOpt,
     "ngram_min": NgramMinOpt,
     "ngram_max": NgramMaxOpt,
 }
@@ -409,6 +420,7 @@ def engine_options(
     draft_max: int | None,
     draft_min: int | None,
     draft_p_min: float | None,
+    ngram: bool | None,
     ngram_min: int | None,
     ngram_max: int | None,
     verbose: bool,
@@ -423,7 +435,12 @@ def engine_options(
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
-    draft, ngram = split_drafts(drafts)
+    draft, lookup_asked = split_drafts(drafts)
+    if lookup_asked and ngram is False:
+        raise UserError("-d ngram asks for n-gram lookup and --no-ngram turns it off; keep one")
+    if ngram and draft is not None and draft.lower() == NO_DRAFT:
+        raise UserError("-d none runs the target alone; it cannot go with --ngram (keep one)")
+    ngram = True if lookup_asked else ngram
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
     drafting = DraftOptions(

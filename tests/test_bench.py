@@ -218,7 +218,8 @@ def check_report(data: dict[str, Any], names: list[str]) -> None:
 
 
 def test_bench_draft_model(model_bench: dict[str, Any]) -> None:
-    check_report(model_bench, ["model k=1", "model k=2"])
+    # A draft model alone drafts as `run` does: with lookup first.
+    check_report(model_bench, ["model+ngram k=1", "model+ngram k=2"])
     assert [r["k"] for r in model_bench["runs"]] == ["1", "2"]
     assert model_bench["cost"]["draft_over_target"] > 0
     assert model_bench["settings"]["prompts"] == BUILTIN_PROMPTS
@@ -354,8 +355,10 @@ def test_untrustworthy_figures_are_flagged() -> None:
 
 
 def test_bench_tree_variants(target_model: Path, draft_model: Path, tmp_path: Path) -> None:
-    """--tree gives every k its tree variants, named by it, with what the branches won."""
-    data = bench(target_model, [str(draft_model)], tmp_path / "out.json", "--tree", "off,6")
+    """--tree gives every k its tree variants, named by it, with what the branches won;
+    --no-ngram, the draft model without lookup."""
+    out = tmp_path / "out.json"
+    data = bench(target_model, [str(draft_model)], out, "--tree", "off,6", "--no-ngram")
     names = [f"model k={k}{tree}" for k in ("1", "2") for tree in ("", " tree=6")]
     assert [r["name"] for r in data["runs"]] == names
     # Costs cover the widest batch: a 6-token tree and the token before it.

@@ -365,9 +365,31 @@ def test_draft_length_without_a_drafter_is_said(target_model: Path) -> None:
     assert "-k 3 does nothing without a drafter" in result.stderr
 
 
-def test_no_draft_and_lookup_together_are_refused(target_model: Path) -> None:
-    result = specdec("run", "-m", str(target_model), "-d", "none", "-d", "ngram", "-p", "Once")
-    assert_user_error(result, "-d none")
+@pytest.mark.parametrize(
+    ("flags", "word"),
+    [
+        (["-d", "none", "-d", "ngram"], "-d none"),
+        (["-d", "none", "--ngram"], "-d none"),
+        (["-d", "ngram", "--no-ngram"], "--no-ngram"),
+    ],
+)
+def test_no_draft_and_lookup_together_are_refused(
+    target_model: Path, flags: list[str], word: str
+) -> None:
+    assert_user_error(specdec("run", "-m", str(target_model), *flags, "-p", "Once"), word)
+
+
+@pytest.mark.parametrize(
+    ("flags", "drafters"), [([], {"model", "ngram"}), (["--no-ngram"], {"model"})]
+)
+def test_a_draft_model_comes_with_lookup_unless_turned_off(
+    target_model: Path, draft_model: Path, flags: list[str], drafters: set[str]
+) -> None:
+    """Text that repeats itself: the lookup takes it over from the model, by default."""
+    prompt = "the cat ran to the dog and the cat ran to the dog and the cat ran to the"
+    args = ["run", "-m", str(target_model), "-d", str(draft_model), "-k", "3", *flags]
+    record = json.loads(specdec(*args, "-p", prompt, "-n", "48", "--json", *GREEDY).stdout)
+    assert set(record["drafters"]) == drafters
 
 
 @pytest.mark.parametrize(("flag", "stdin"), [(["-p", ""], ""), ([], ""), ([], "\n")])
@@ -420,7 +442,9 @@ def test_json_tokens_say_who_chose_each_token(target_model: Path, draft_model: P
     assert len(tokens) == record["tokens"] == 30
     assert "".join(t["text"] for t in tokens) == record["text"]
     by = [t["by"] for t in tokens]
-    assert by.count("model") == record["accepted"] > 0
+    drafted = [b for b in by if b != "target"]
+    assert len(drafted) == record["accepted"] > 0
+    assert set(drafted) <= {"model", "ngram"}  # a draft model comes with lookup first
     assert by.count("target") == record["target_passes"]  # one of its own per pass
 
 

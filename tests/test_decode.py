@@ -30,7 +30,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Draft
-from specdec_cli.draftlength import FixedLength
+from specdec_cli.draftlength import AutoLength, FixedLength
 from specdec_cli.engine import DraftOptions, Engine, EngineOptions
 from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import GREEDY, SamplingParams, distribution
@@ -162,6 +162,39 @@ def test_greedy_lookup_then_model(
         out, stats = generate(engine, decoder=decoder)
     assert out == fixture_reference
     assert stats.proposed_by["model"] > 0
+
+
+def test_a_lookup_beside_the_model_drafts_at_its_own_length(
+    target_model: Path, draft_model: Path, fixture_reference
+) -> None:
+    """Each drafter's rounds take their length from that drafter's policy: copied text
+    is accepted far longer than a model's guesses."""
+    with open_engine(target_model, draft_model, 1) as engine:
+        lookup_then_model = engine.make_decoder("model+ngram", "1").drafter
+        decoder = Decoder(
+            engine.target,
+            lookup_then_model,
+            GREEDY,
+            FixedLength(1),
+            lengths={"ngram": FixedLength(4)},
+        )
+        out, stats = generate(engine, decoder=decoder)
+    assert out == fixture_reference
+    assert stats.proposed_by["model"] > 0 and stats.proposed_by["ngram"] > 0
+    assert max(stats.draft_lengths) > 1  # only the lookup's rounds can draft more than 1
+
+
+def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
+    target_model: Path, draft_model: Path
+) -> None:
+    """Priced as it costs: a lookup needs no draft model's calls."""
+    with open_engine(target_model, draft_model, "auto") as engine:
+        decoder = engine.make_decoder("model+ngram", "auto")
+        model_length, lookup_length = decoder.length, decoder.lengths["ngram"]
+        assert isinstance(model_length, AutoLength) and isinstance(lookup_length, AutoLength)
+        assert lookup_length is not model_length
+        assert lookup_length.draft_seconds == 0.0 < model_length.draft_seconds
+        assert engine.make_decoder("model", "auto").lengths == {}
 
 
 @pytest.mark.parametrize("k", K_VALUES)

@@ -46,8 +46,8 @@ def test_replay_has_the_rounds_of_a_real_run(
     verified, the draft calls made."""
     drafting = DraftOptions(k="3", tree="off" if tree is None else str(tree))
     options = EngineOptions(
-        target=target_model, draft=draft_model, n_ctx=256, threads=1, sampling=GREEDY,
-        drafting=drafting,
+        target=target_model, draft=draft_model, ngram=False, n_ctx=256, threads=1,
+        sampling=GREEDY, drafting=drafting,
     )  # fmt: skip
     policy = replay_tree.Policy(3, tree)
     with Engine(options) as engine:
