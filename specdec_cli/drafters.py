@@ -505,13 +505,17 @@ class LookupThenModel:
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
         self.lookup, self.model = lookup, model
         self.ctx = model.ctx
-        self.hit_rate = {lookup.name: 1.0, model.name: 1.0}  # the model, until the lookup wins
+        self.hit_rate: dict[str, float] = {}
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
         self._decided: tuple[int, str] | None = None  # (tokens, who drafts after them)
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        """Each text anew: how much one repeats itself says nothing of the next. The
+        lookup starts at even odds, so that its guesses, scored while the model drafts,
+        must earn it the turn (from 1.0 it drafted after the model's first miss)."""
         self.lookup.begin(prompt, sampling)
         self.model.begin(prompt, sampling)
+        self.hit_rate = {self.lookup.name: 0.5, self.model.name: 1.0}
         self._guesses, self._decided = [], None
 
     def next_source(self, tokens: list[int]) -> str:

@@ -66,4 +66,16 @@ def test_model_drafts_where_the_lookup_guesses_badly() -> None:
     text = [t for i in range(40) for t in (*phrase, 100 + i)]
     drafter = LookupThenModel(NgramDrafter(3, 4), StandInModel(lambda t: text[len(t) :]))
     used = sources(drafter, text, start=len(phrase))
-    assert used.count("ngram") <= 2
+    assert used.count("ngram") == 0  # it never earned the turn
+
+
+def test_each_text_starts_the_lookup_afresh() -> None:
+    """A text that repeats itself says nothing of the next one: the lookup earns its
+    turn again in each generation."""
+    copied = list(range(1, 21)) * 4
+    phrase = [1, 2, 3, 4]
+    varied = [t for i in range(40) for t in (*phrase, 100 + i)]
+    model = StandInModel(lambda t: varied[len(t) :] if t[: len(phrase)] == phrase else [0] * 8)
+    drafter = LookupThenModel(NgramDrafter(3, 4), model)
+    assert sources(drafter, copied, start=20)[-1] == "ngram"
+    assert sources(drafter, varied, start=len(phrase)).count("ngram") == 0
