@@ -123,13 +123,34 @@ def main() -> None:
             runs["specdec"].append(specdec_speed(args))  # alternate: drift hits both
 
     medians = {name: statistics.median(values) for name, values in runs.items()}
+    paired = paired_ratios(runs)
     best = max((name for name in medians if name != "specdec"), key=medians.__getitem__)
     for name, value in medians.items():
         spread = f"{min(runs[name]):.1f}-{max(runs[name]):.1f}"
-        print(f"{name:40} {value:8.1f} tok/s  (min-max {spread}, {len(runs[name])} runs)")
+        ratio = f"  specdec {paired[name]:.3f}x this" if name in paired else ""
+        print(f"{name:42} {value:7.1f} tok/s  (min-max {spread}, {len(runs[name])} runs){ratio}")
     print(f"specdec / llama.cpp at its best ({best}): {medians['specdec'] / medians[best]:.3f}x")
+    closest = min(paired, key=paired.__getitem__)
+    print(f"specdec / its closest rival, paired ({closest}): {paired[closest]:.3f}x")
     if args.json:
-        args.json.write_text(json.dumps({"runs": runs, "medians": medians, "best": best}, indent=1))
+        record = {"runs": runs, "medians": medians, "best": best, "paired": paired}
+        args.json.write_text(json.dumps(record, indent=1))
+
+
+def paired_ratios(runs: dict[str, list[float]]) -> dict[str, float]:
+    """Per llama.cpp setting, the median over alternations of specdec's speed (the mean of
+    its runs just before and just after) over that setting's. This machine's speed
+    shifts by a third within minutes; a ratio of neighbours cancels most of that, where
+    a ratio of medians taken minutes apart does not."""
+    names = [name for name in runs if name != "specdec"]
+    specdec, stride = runs["specdec"], len(names) + 1  # specdec runs first and after each
+    return {
+        name: statistics.median(
+            (specdec[r * stride + j] + specdec[r * stride + j + 1]) / 2 / speed
+            for r, speed in enumerate(runs[name])
+        )
+        for j, name in enumerate(names)
+    }
 
 
 if __name__ == "__main__":
