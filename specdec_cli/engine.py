@@ -74,8 +74,8 @@ class GenerationOptions:
 class EngineOptions:
     target: Path
     draft: Path | None = None  # a draft model file
-    # N-gram lookup: alone, or tried before the draft model. None: before a draft model,
-    # where it costs nothing (it drafts only where it has lately guessed better).
+    # N-gram lookup: alone, or tried before the draft model. None: before a draft model
+    # (it drafts only where its guesses have lately beaten the model's).
     ngram: bool | None = None
     n_ctx: int = 0  # 0: the model's training context, capped at DEFAULT_MAX_CTX
     threads: int = 0  # 0: the machine's physical cores
@@ -286,8 +286,8 @@ class Engine:
             drafter = LookupThenModel(
                 lookup, ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
             )
-        # With -k auto, a lookup beside the model learns its own length: copied text is
-        # accepted far longer than the model's guesses.
+        # A lookup beside the model has a length policy of its own: with -k auto it learns
+        # that copied text is accepted far longer than the model's guesses.
         lengths = {"ngram": self._draft_length("ngram", k)} if kind == "model+ngram" else {}
         length = self._draft_length(kind, k)
         policy = self._tree_policy(tree, kind)
