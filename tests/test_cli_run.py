@@ -239,7 +239,8 @@ def test_ctrl_c_prints_stats_and_exits_130(target_model: Path, monkeypatch) -> N
 
 
 def test_draft_model_with_lookup_first(target_model: Path, draft_model: Path) -> None:
-    args = ["-p", "the cat ran to the dog and the cat ran to the", "-n", "30", *GREEDY]
+    # (The lookup must earn its turn: this target's text loops only after a while.)
+    args = ["-p", "the cat ran to the dog and the cat ran to the", "-n", "200", *GREEDY]
     alone = specdec("run", "-m", str(target_model), "-q", *args)
     both = specdec(
         "run",
@@ -385,10 +386,11 @@ def test_no_draft_and_lookup_together_are_refused(
 def test_a_draft_model_comes_with_lookup_unless_turned_off(
     target_model: Path, draft_model: Path, flags: list[str], drafters: set[str]
 ) -> None:
-    """Text that repeats itself: the lookup takes it over from the model, by default."""
+    """Text that repeats itself (this target's greedy text loops after a while): the
+    lookup takes it over from the model, by default."""
     prompt = "the cat ran to the dog and the cat ran to the dog and the cat ran to the"
     args = ["run", "-m", str(target_model), "-d", str(draft_model), "-k", "3", *flags]
-    record = json.loads(specdec(*args, "-p", prompt, "-n", "48", "--json", *GREEDY).stdout)
+    record = json.loads(specdec(*args, "-p", prompt, "-n", "200", "--json", *GREEDY).stdout)
     assert set(record["drafters"]) == drafters
 
 
