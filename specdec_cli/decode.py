@@ -110,6 +110,7 @@ class Decoder:
 
         tokens = list(prompt)
         n_new = 0
+        round_end = t_gen
         try:
             while True:
                 # The target has not seen the last token (nor, after a recurrent model's
@@ -139,12 +140,16 @@ class Decoder:
                 # Keep the accepted path, drop the rest (its last token is in batch place
                 # len(unseen) - 1 + path[-1] + 1; the last unseen one if nothing was).
                 target.keep_branch(len(unseen) + (path[-1] if path else -1))
+                # The round's own time runs from the end of the last one: the consumer's
+                # work on the last tokens counts too.
+                round_start, round_end = round_end, time.perf_counter()
                 if sampling.greedy:  # greedy text is the same whatever k: follow the clock
                     draft_seconds = _decode_seconds(draft_ctx) - draft_start
                     verify_seconds: float | None = target.decode_seconds - verify_start
+                    other_seconds = round_end - round_start - draft_seconds - verify_seconds
                 else:  # k decides which random numbers go where: a seed must reproduce
-                    draft_seconds = verify_seconds = None
-                length.observe(draft, n_accepted, draft_seconds, verify_seconds)
+                    draft_seconds = verify_seconds = other_seconds = None
+                length.observe(draft, n_accepted, draft_seconds, verify_seconds, other_seconds)
                 if self.tree:
                     self.tree.observe(draft, path)
 

@@ -1,12 +1,13 @@
 """How many tokens to draft each round, and when to stop a draft early.
 
 The decode loop asks `choose(limit)` before each round and reports `observe(...)`
-after it: what was drafted, how much was accepted, and how long drafting and
-verification took (None when sampling: there the draft length decides which random
-numbers each token uses, so a k that followed the clock would make one seed give
-different text from run to run; k then follows acceptance alone). A drafter that
-knows how sure it is (a draft model) asks `keep_drafting(i, confidence)` before adding
-draft token i (0-based), with its top probability at that point.
+after it: what was drafted, how much was accepted, and how long drafting,
+verification and the rest of the round (Python's work) took (None when sampling:
+there the draft length decides which random numbers each token uses, so a k that
+followed the clock would make one seed give different text from run to run; k then
+follows acceptance alone). A drafter that knows how sure it is (a draft model) asks
+`keep_drafting(i, confidence)` before adding draft token i (0-based), with its top
+probability at that point.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ class DraftLength(Protocol):
         accepted: int,
         draft_seconds: float | None,
         verify_seconds: float | None,
+        other_seconds: float | None = None,
     ) -> None: ...
 
 
@@ -54,6 +56,7 @@ class FixedLength:
         accepted: int,
         draft_seconds: float | None,
         verify_seconds: float | None,
+        other_seconds: float | None = None,
     ) -> None:
         pass
 
@@ -164,6 +167,10 @@ class AutoLength:
         self.weight = [0.0] * self.k_max  # how recent the evidence behind each estimate is
         self.tested = [0] * self.k_max  # rounds that tested each position
         self.rate = 1.0 / t  # tokens per second; target-only to start
+        # A round's time outside llama.cpp: the same for any k, so it favours longer
+        # drafts (left out, short ones looked cheaper than they ran). Learned as it runs.
+        self.other_seconds = 0.0
+        self._timed_rounds = 0
         self._last_batch = -1  # the last verification's batch size
         self._idle = 0  # rounds without a draft since the last probe
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
@@ -204,9 +211,11 @@ class AutoLength:
     def cost(self, k: int, survive: float = 0.0) -> float:
         """Seconds for a round drafting k tokens (without a graph rebuild), when the
         previous round's draft was accepted whole with probability `survive`: then the
-        draft model has two tokens to catch up on instead of one."""
+        draft model has two tokens to catch up on instead of one. Python's share of a
+        round is in it too."""
         calls = k + survive if k else 0.0
-        return calls * self.draft_seconds + self.verify[k + 1] * self.target_seconds
+        drafting = calls * self.draft_seconds
+        return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
 
     def expected_rate(self, k: int, estimates: list[float]) -> float:
         """Expected tokens per second of k-token drafts."""
@@ -278,6 +287,7 @@ class AutoLength:
         accepted: int,
         draft_seconds: float | None,
         verify_seconds: float | None,
+        other_seconds: float | None = None,
     ) -> None:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
@@ -295,6 +305,11 @@ class AutoLength:
             per_token = verify_seconds / verify_cost(self.verify, batch)
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_batch = batch
+        if other_seconds is not None:
+            # A plain mean at first: a generation is too short to wait for a slow one.
+            self._timed_rounds += 1
+            step = max(learn, 1.0 / self._timed_rounds)
+            self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
         self._after_probe(n, accepted)
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, accepted + 1)

@@ -401,6 +401,7 @@ def test_only_greedy_rounds_are_timed_for_auto(
         decoder.length.observe = record  # type: ignore[method-assign]
         generate(engine, 24, decoder=decoder)
     assert seen
+    assert all(len(seconds) == 3 for seconds in seen)  # drafting, verifying, the rest
     assert all((None not in seconds) == timed for seconds in seen)
 
 

@@ -63,6 +63,28 @@ def test_auto_drafts_long_when_accepted_and_short_when_not() -> None:
     assert max(easy) <= 16
 
 
+def test_python_time_per_round_favours_longer_drafts() -> None:
+    """A round's time outside llama.cpp is the same for any k: a policy that leaves it
+    out takes short drafts for cheaper than they run."""
+    steep = Costs(0.01, 0.05, {n: 1.0 + 0.45 * (n - 1) for n in range(1, 18)})
+
+    def steady_k(other_seconds: float | None) -> int:
+        policy = AutoLength(steep, 0, 16, uses_confidence=False)
+        for r in range(80):
+            k = policy.choose(100)
+            n = 0
+            while n < k and (n + r) % 4 != 0:
+                n += 1  # three in four accepted
+            t = steep.target_seconds
+            seconds = (k * steep.draft_over_target * t, steep.verify[k + 1] * t)
+            policy.observe(draft_of(k), n, *seconds, other_seconds)
+        return k
+
+    untimed, fast, slow = steady_k(None), steady_k(0.0), steady_k(0.02)
+    assert untimed == fast == 2
+    assert slow == 3  # two target tokens' worth of Python a round: one more token pays
+
+
 def test_auto_stops_drafting_a_useless_draft_but_probes() -> None:
     costly = Costs(0.01, 0.5, {n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)})
     policy = AutoLength(costly, 0, 8, uses_confidence=False)
