@@ -6,13 +6,14 @@ generates, and what the draft predicts at each position given the target's text 
 records both for the built-in prompts, then replays every policy (fixed k and
 `AutoLength`) over them, charging each round the measured costs: draft calls (one
 more after a round accepted whole), the target's pass over k+1 tokens, and a graph
-rebuild when the batch size changes. Every policy sees the same text, so differences
+rebuild when the batch size changes; with --python, the Python work of a round too.
+Every policy sees the same text, so differences
 of a fraction of a percent are real here, where a timed benchmark drifts by 25 %.
 
 Two modes: "bench" keeps one policy across the prompts and repeats, as `specdec bench`
 does; "fresh" starts a new one per prompt, as separate `specdec run`s do.
 
-    python benchmarks/replay_draft_length.py TARGET.gguf [DRAFT.gguf] [-n 128] [-t 2]
+    python benchmarks/replay_draft_length.py TARGET.gguf [DRAFT.gguf] [-n 128] [-t 2] [--python F]
 """
 
 from __future__ import annotations
@@ -73,8 +74,11 @@ def round_cost(costs: Costs, calls: int, batch: int, previous_batch: int) -> flo
     return calls * costs.draft_over_target + verify_cost(costs.verify, batch) + switch
 
 
-def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs) -> float:
-    """Tokens per target-token-time of one generation under `policy`."""
+def replay(
+    policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs, other: float = 0.0
+) -> float:
+    """Tokens per target-token-time of one generation under `policy`; `other` is a
+    round's time outside llama.cpp (Python's), in target-token times."""
     t = costs.target_seconds
     done, spent, last_k, whole = 0, 0.0, -1, False
     while done < n_predict:
@@ -85,10 +89,9 @@ def replay(policy: DraftLength, match: np.ndarray, n_predict: int, costs: Costs)
         calls = k + 1 if k and whole else k
         draft_cost = calls * costs.draft_over_target
         cost = round_cost(costs, calls, k + 1, last_k + 1)
-        policy.observe(
-            Draft(tokens=[0] * k, calls=calls), accepted, draft_cost * t, (cost - draft_cost) * t
-        )
-        spent += cost
+        seconds = (draft_cost * t, (cost - draft_cost) * t, other * t)
+        policy.observe(Draft(tokens=[0] * k, calls=calls), accepted, *seconds)
+        spent += cost + other
         done += accepted + 1
         last_k, whole = k, k > 0 and accepted == k
     return done / spent
@@ -101,17 +104,18 @@ def evaluate(
     costs: Costs,
     mode: str,
     repeats: int = 3,
+    other: float = 0.0,
 ) -> dict[str, float]:
     """Median speed per prompt; "bench" keeps one policy throughout (after a warm-up
     on 16 tokens of the first prompt), "fresh" makes one per generation."""
     policy = make()
     if mode == "bench":
-        replay(policy, next(iter(matches.values())), 16, costs)
+        replay(policy, next(iter(matches.values())), 16, costs, other)
     speeds: dict[str, list[float]] = {name: [] for name in matches}
     for _ in range(repeats):
         for name, match in matches.items():
             current = policy if mode == "bench" else make()
-            speeds[name].append(replay(current, match, n_predict, costs))
+            speeds[name].append(replay(current, match, n_predict, costs, other))
     return {name: float(np.median(v)) for name, v in speeds.items()}
 
 
@@ -135,6 +139,11 @@ def main() -> None:
     parser.add_argument("target", type=Path)
     parser.add_argument("draft", type=Path, nargs="?", default=DEFAULT_DRAFT)
     add_replay_arguments(parser)
+    parser.add_argument(
+        "--python", type=float, default=0.0, metavar="F", help="a round's time outside "
+        "llama.cpp, in target-token times (here: about 0.06 on the stories pair, 0.04 on "
+        "Qwen2's; default 0)"
+    )  # fmt: skip
     args = parser.parse_args()
     options = replay_options(args.target, args.draft, args.t, DraftOptions(k="1"))
     with Engine(options) as engine:
@@ -150,7 +159,7 @@ def main() -> None:
         for name, make in policies.items():
             if mode == "fresh" and name != "auto" and name != "k=3":
                 continue  # a fixed k keeps no state: same as bench
-            speed = evaluate(make, matches, args.n, costs, mode)
+            speed = evaluate(make, matches, args.n, costs, mode, other=args.python)
             overall = len(speed) / sum(1 / s for s in speed.values())  # same tokens per prompt
             print(f"{name}\t{overall:.3f}\t" + "\t".join(f"{s:.2f}" for s in speed.values()))
 
