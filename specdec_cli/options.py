@@ -294,7 +294,10 @@ NgramMinOpt = Annotated[
         "--ngram-min",
         min=1,
         metavar="N",
-        help=described("With -d ngram: the shortest n-gram to look up.", DraftOptions.ngram_min),
+        help=described(
+            "N-gram lookup: the shortest n-gram to look up (beside a draft model, 3 at least).",
+            DraftOptions.ngram_min,
+        ),
     ),
 ]
 NgramMaxOpt = Annotated[
@@ -304,7 +307,7 @@ NgramMaxOpt = Annotated[
         min=1,
         metavar="N",
         help=described(
-            "With -d ngram: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
+            "N-gram lookup: the longest n-gram to look up (tried first).", DraftOptions.ngram_max
         ),
     ),
 ]
