@@ -164,6 +164,17 @@ def test_greedy_lookup_then_model(
     assert stats.proposed_by["model"] > 0
 
 
+@pytest.mark.parametrize("k", ["3", "auto"])
+def test_greedy_lookup_then_model_trees(target_model: Path, draft_model: Path, k: str) -> None:
+    """Tree rounds from both drafters (the lookup's branches are its earlier
+    continuations), each at its own length: still the target's text."""
+    with open_engine(target_model, draft_model, k, tree="8") as engine:
+        out, stats = generate(engine, n_predict=200, decoder=engine.make_decoder("model+ngram", k))
+    assert out == target_only(target_model, n_predict=200)
+    assert stats.proposed_by["model"] > 0 and stats.proposed_by["ngram"] > 0
+    assert stats.accepted_beside > 0
+
+
 def test_a_lookup_beside_the_model_drafts_at_its_own_length(
     target_model: Path, draft_model: Path
 ) -> None:
