@@ -3,8 +3,11 @@
 Runs `specdec run` (with its defaults, or the flags given) and llama.cpp's tool on the
 same pair, prompts and length, alternating between them, and reports each side's
 median generation speed (tokens/s after the prompt, as both tools count it) and the
-ratio. llama.cpp's tool is run at every `--k` and `--fa` given, so that specdec's
-defaults meet llama.cpp at its best setting.
+ratio. llama.cpp's tool is run at every `--k`, `--fa` and `--spec-type` given, so that
+specdec's defaults meet llama.cpp at its best setting (`--spec-type
+ngram-mod,draft-simple`: its own lookup before its draft model, as specdec's default).
+Each setting's ratio is also taken paired, against specdec's neighbouring passes: the
+machine's speed can shift by a third between the first and the last alternation.
 
 One measurement is a pass over every prompt (by default `specdec bench`'s built-in
 five): its speed is their tokens over their seconds. A single prompt is a poor judge:
@@ -16,7 +19,7 @@ Build the tool from the llama.cpp tree in llama-cpp-python's source distribution
 --target llama-speculative-simple`. See benchmarks/README.md.
 
     python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET -d DRAFT [--k 2,3,4] [--fa on,off]
-        [-p PROMPT ...]
+        [--spec-type TYPES ...] [-p PROMPT ...]
 """
 
 from __future__ import annotations
