@@ -457,8 +457,14 @@ class NgramDrafter:
         shape: TreeShape | None = None,
     ) -> Draft:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
+        return self.continuation(tokens, self.matches(tokens), k, shape)
+
+    def continuation(
+        self, tokens: list[int], ends: list[int], k: int, shape: TreeShape | None = None
+    ) -> Draft:
+        """What followed the earlier `ends` of the n-gram that ends `tokens` (see
+        matches): up to k tokens deep, a chain or the tree `shape` allows."""
         draft = Draft(source=self.name)
-        ends = self.matches(tokens)
         if ends and (shape is None or shape.is_chain):
             draft.tokens = tokens[ends[-1] + 1 : ends[-1] + 1 + k]
         elif ends:
@@ -507,7 +513,8 @@ class LookupThenModel:
         self.ctx = model.ctx
         self.hit_rate: dict[str, float] = {}
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
-        self._decided: tuple[int, str] | None = None  # (tokens, who drafts after them)
+        # This round's decision: (tokens, who drafts after them, the lookup's matches).
+        self._decided: tuple[int, str, list[int]] | None = None
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         """Each text anew: how much one repeats itself says nothing of the next. The
@@ -519,14 +526,19 @@ class LookupThenModel:
         self._guesses, self._decided = [], None
 
     def next_source(self, tokens: list[int]) -> str:
-        """The lookup where it matches and has lately been the better guesser; decided
-        once a round (the text only grows), after scoring last round's guesses."""
+        return self._decide(tokens)[0]
+
+    def _decide(self, tokens: list[int]) -> tuple[str, list[int]]:
+        """Who drafts (the lookup where it matches and has lately been the better
+        guesser, else the model) and the lookup's matches; decided once a round (the
+        text only grows), after scoring last round's guesses."""
         if self._decided is None or self._decided[0] != len(tokens):
             self._score(tokens)
+            ends = self.lookup.matches(tokens)
             better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
-            source = self.lookup.name if better and self.lookup.matches(tokens) else self.model.name
-            self._decided = (len(tokens), source)
-        return self._decided[1]
+            source = self.lookup.name if better and ends else self.model.name
+            self._decided = (len(tokens), source, ends)
+        return self._decided[1], self._decided[2]
 
     def _score(self, tokens: list[int]) -> None:
         """Last round's guesses against what followed: tokens up to the first miss were
@@ -549,8 +561,8 @@ class LookupThenModel:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
     ) -> Draft:
-        source = self.next_source(tokens)
-        guess = self.lookup.propose(tokens, k, rng, shape=shape)
+        source, ends = self._decide(tokens)
+        guess = self.lookup.continuation(tokens, ends, k, shape)
         if guess.tokens:
             self._guesses.append((self.lookup.name, len(tokens), guess.primary_path()))
             if source == self.lookup.name:

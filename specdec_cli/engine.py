@@ -286,9 +286,10 @@ class Engine:
             drafter = LookupThenModel(
                 lookup, ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
             )
-        # A lookup beside the model has a length policy of its own: with -k auto it learns
+        # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.
-        lengths = {"ngram": self._draft_length("ngram", k)} if kind == "model+ngram" else {}
+        own = kind == "model+ngram" and parse_k(k) is None
+        lengths = {"ngram": self._draft_length("ngram", k)} if own else {}
         length = self._draft_length(kind, k)
         policy = self._tree_policy(tree, kind)
         return Decoder(

@@ -438,12 +438,8 @@ def engine_options(
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
-    draft, lookup_asked = split_drafts(drafts)
-    if lookup_asked and ngram is False:
-        raise UserError("-d ngram asks for n-gram lookup and --no-ngram turns it off; keep one")
-    if ngram and draft is not None and draft.lower() == NO_DRAFT:
-        raise UserError("-d none runs the target alone; it cannot go with --ngram (keep one)")
-    ngram = True if lookup_asked else ngram
+    draft, lookup_named = split_drafts(drafts)
+    ngram = lookup_setting(draft, lookup_named, ngram)
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
     drafting = DraftOptions(
@@ -519,9 +515,18 @@ def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
     models = [d for d in drafts if d.lower() != "ngram"]
     if len(models) > 1:
         raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
-    if models and models[0].lower() == NO_DRAFT and len(drafts) > 1:
-        raise UserError("-d none runs the target alone; it cannot go with -d ngram (keep one)")
     return (models[0] if models else None), len(models) < len(drafts)
+
+
+def lookup_setting(draft: str | None, named: bool, flag: bool | None) -> bool | None:
+    """Whether n-gram lookup runs, from -d (`named`: -d ngram) and --ngram/--no-ngram:
+    True when asked for either way, False when turned off, None for the default
+    (beside a draft model, see EngineOptions.ngram)."""
+    if named and flag is False:
+        raise UserError("-d ngram asks for n-gram lookup and --no-ngram turns it off; keep one")
+    if (named or flag) and draft is not None and draft.lower() == NO_DRAFT:
+        raise UserError("-d none runs the target alone; it cannot go with n-gram lookup (keep one)")
+    return True if named else flag
 
 
 def shared_options(command_args: dict[str, Any]) -> dict[str, Any]:
