@@ -7,8 +7,8 @@ records both for the built-in prompts, then replays every policy (fixed k and
 `AutoLength`) over them, charging each round the measured costs: draft calls (one
 more after a round accepted whole), the target's pass over k+1 tokens, and a graph
 rebuild when the batch size changes; with --python, the Python work of a round too.
-Every policy sees the same text, so differences
-of a fraction of a percent are real here, where a timed benchmark drifts by 25 %.
+Every policy sees the same text, so differences of a fraction of a percent are real
+here, where a timed benchmark drifts by 25 %.
 
 Two modes: "bench" keeps one policy across the prompts and repeats, as `specdec bench`
 does; "fresh" starts a new one per prompt, as separate `specdec run`s do.
