@@ -173,6 +173,7 @@ class AutoLength:
         self._timed_rounds = 0
         self._last_batch = -1  # the last verification's batch size
         self._idle = 0  # rounds without a draft since the last probe
+        self._undrafted = 0  # rounds without a draft since the last with one
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
@@ -184,7 +185,6 @@ class AutoLength:
         # Where drafting starts again after a stretch without: the shortest useful length
         # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
         self._first_rung = min([n for n in self.ladder if n > 0], default=1)
-        self._probe_k = min(range(1, self._first_rung + 1), key=self.cost)
         # The steady choice; the first guess is the best k under the prior alone.
         self._k = self._best_at(prior)
 
@@ -233,14 +233,21 @@ class AutoLength:
             self._k = k
         if k == 0 and top > 0:
             # Estimates only move when something is drafted: probe now and then, for
-            # one round, at the cheapest length (what matters is whether the first
-            # token is accepted).
+            # one round.
             self._idle += 1
             self._probing = self._idle >= self._probe_gap
             if self._probing:
-                self._idle, k = 0, min(self._probe_k, top)
+                self._idle, k = 0, self._probe_length(estimates, top)
         self._plan, self._estimates, self._survive = k, estimates, 1.0
         return k
+
+    def _probe_length(self, estimates: list[float], top: int) -> int:
+        """A probe's length, up to the first rung: the one the estimates rate best.
+        Where they are low (a draft that never agrees) that is the cheapest; where they
+        are middling, a longer probe also tests the positions past the first, and
+        yields more if the text has turned easy."""
+        lengths = range(1, min(self._first_rung, top) + 1)
+        return max(lengths, key=lambda k: self.expected_rate(k, estimates))
 
     def _step(self, estimates: list[float], k: int, top: int) -> int:
         """k, or the next useful length above or below it if that is worth the change."""
@@ -295,6 +302,12 @@ class AutoLength:
             draft_seconds = draft.calls * self.draft_seconds
             verify_seconds = verify_cost(self.verify, batch) * self.target_seconds
         learn = 1.0 - self.decay
+        # Acceptance follows the text, and rounds without a draft move the text on too:
+        # what the first round drafted after them tests weighs as much as they and it
+        # would have. (Without this, probes accepted whole every 8 rounds could not
+        # bring drafting back after a hard stretch.)
+        aged, self._undrafted = self._undrafted, 0 if n else self._undrafted + 1
+        fresh = 1.0 - self.decay ** (aged + 1)
         # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
         # a tenth of the rate, so that one noisy round does not move them much.
         slow = learn / 10
@@ -322,10 +335,10 @@ class AutoLength:
                 # A plain mean over the first rounds (with the prior), so that the
                 # start is quick; a decayed one once there are enough.
                 self.tested[i] += 1
-                step = max(learn, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
+                step = max(fresh, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
                 self.accept[i] += step * (hit - self.accept[i])
                 self.weight[i] += step * (1.0 - self.weight[i])
-            elif n:  # a round without a draft tells nothing: the evidence keeps its age
+            elif n:  # drafted, but not this far: the evidence is a round older
                 self.weight[i] *= self.decay
 
     def _after_probe(self, n: int, accepted: int) -> None:

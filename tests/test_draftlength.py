@@ -233,3 +233,27 @@ def test_auto_drafts_again_where_the_shortest_useful_draft_is_long() -> None:
     assert rounds(40, accept=False)[-8:].count(0) >= 7  # useless: it stops drafting
     recovered = rounds(150, accept=True)
     assert all(k >= 3 for k in recovered[-20:])  # the text turned easy: drafting again
+
+
+def test_auto_drafts_again_soon_after_the_text_turns_easy() -> None:
+    """Rounds without a draft move the text on: after a hard stretch stopped drafting,
+    a probe that is accepted whole must count for the rounds it stood for. Counted as
+    one round among many before it, probes accepted whole every 8 rounds never brought
+    drafting back (a 152k-vocabulary pair, where 2 tokens cost twice one)."""
+    curve = {1: 1.0, 2: 2.1, 3: 2.3, 4: 2.4} | {n: 2.4 + 0.3 * (n - 4) for n in range(5, 18)}
+    costs = Costs(0.01, 0.09, curve)
+    policy = AutoLength(costs, 0, 8, uses_confidence=False)
+
+    def rounds(n: int, accept: bool) -> list[int]:
+        chosen = []
+        for _ in range(n):
+            k = policy.choose(100)
+            chosen.append(k)
+            seconds = (k * 0.09 * 0.01, curve[k + 1] * 0.01)
+            policy.observe(draft_of(k), k if accept else 0, *seconds)
+        return chosen
+
+    assert min(rounds(60, accept=True)[-10:]) >= 3  # an easy text: drafting
+    assert rounds(30, accept=False)[-6:] == [0] * 6  # a hard stretch: not drafting
+    easy_again = rounds(30, accept=True)
+    assert min(easy_again[-15:]) >= 3  # drafting again after the first probe or two
