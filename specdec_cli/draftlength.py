@@ -173,7 +173,7 @@ class AutoLength:
         self._timed_rounds = 0
         self._last_batch = -1  # the last verification's batch size
         self._idle = 0  # rounds without a draft since the last probe
-        self._undrafted = 0  # rounds without a draft since the last with one
+        self._undrafted = 0  # rounds it chose not to draft since the last drafted
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
@@ -302,12 +302,16 @@ class AutoLength:
             draft_seconds = draft.calls * self.draft_seconds
             verify_seconds = verify_cost(self.verify, batch) * self.target_seconds
         learn = 1.0 - self.decay
-        # Acceptance follows the text, and rounds without a draft move the text on too:
-        # what the first round drafted after them tests weighs as much as they and it
-        # would have. (Without this, probes accepted whole every 8 rounds could not
-        # bring drafting back after a hard stretch.)
-        aged, self._undrafted = self._undrafted, 0 if n else self._undrafted + 1
-        fresh = 1.0 - self.decay ** (aged + 1)
+        # Acceptance follows the text, and rounds this policy chose not to draft move
+        # the text on too: what the first round drafted after them tests weighs as much
+        # as they and it would have. (Without this, probes accepted whole every 8 rounds
+        # could not bring drafting back after a hard stretch.) A drafter that had nothing
+        # to offer (a lookup without a match) says nothing of the text: no change.
+        fresh = 1.0 - self.decay ** (self._undrafted + 1)
+        if n:
+            self._undrafted = 0
+        elif not self._plan:
+            self._undrafted += 1
         # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
         # a tenth of the rate, so that one noisy round does not move them much.
         slow = learn / 10

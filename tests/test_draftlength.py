@@ -247,3 +247,20 @@ def test_auto_drafts_again_soon_after_the_text_turns_easy() -> None:
     assert all_or_nothing(policy, 30, accept=False)[-6:] == [0] * 6  # a hard stretch: not
     easy_again = all_or_nothing(policy, 30, accept=True)
     assert min(easy_again[-15:]) >= 3  # drafting again after the first probe or two
+
+
+def test_rounds_a_drafter_had_nothing_for_teach_nothing() -> None:
+    """A lookup without a match drafts nothing although k > 0: those rounds are not
+    rounds the policy chose not to draft, and must not make the next miss weigh more."""
+
+    def after_a_miss(empty_rounds: int) -> list[float]:
+        policy = AutoLength(CHEAP, 0, 8, uses_confidence=False)
+        all_or_nothing(policy, 20, accept=True)
+        for _ in range(empty_rounds):
+            assert policy.choose(100) > 0
+            policy.observe(Draft(), 0, 0.0, CHEAP.verify[1] * CHEAP.target_seconds)
+        policy.choose(100)
+        policy.observe(draft_of(4), 0, 0.0, CHEAP.verify[5] * CHEAP.target_seconds)
+        return policy.accept
+
+    assert after_a_miss(20) == after_a_miss(0)
