@@ -302,16 +302,7 @@ class AutoLength:
             draft_seconds = draft.calls * self.draft_seconds
             verify_seconds = verify_cost(self.verify, batch) * self.target_seconds
         learn = 1.0 - self.decay
-        # Acceptance follows the text, and rounds this policy chose not to draft move
-        # the text on too: what the first round drafted after them tests weighs as much
-        # as they and it would have. (Without this, probes accepted whole every 8 rounds
-        # could not bring drafting back after a hard stretch.) A drafter that had nothing
-        # to offer (a lookup without a match) says nothing of the text: no change.
-        fresh = 1.0 - self.decay ** (self._undrafted + 1)
-        if n:
-            self._undrafted = 0
-        elif not self._plan:
-            self._undrafted += 1
+        fresh = self._weight_of_this_round(n)
         # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
         # a tenth of the rate, so that one noisy round does not move them much.
         slow = learn / 10
@@ -344,6 +335,21 @@ class AutoLength:
                 self.weight[i] += step * (1.0 - self.weight[i])
             elif n:  # drafted, but not this far: the evidence is a round older
                 self.weight[i] *= self.decay
+
+    def _weight_of_this_round(self, n: int) -> float:
+        """The least weight that what this round tested gets in the acceptance estimates.
+
+        Acceptance follows the text, and rounds this policy chose not to draft move the
+        text on too: the first round drafted after them weighs as much as they and it
+        would have. (Without this, probes accepted whole every 8 rounds could not bring
+        drafting back after a hard stretch.) A drafter that had nothing to offer (a
+        lookup without a match) says nothing of the text: such rounds do not count."""
+        weight = 1.0 - self.decay ** (self._undrafted + 1)
+        if n:
+            self._undrafted = 0
+        elif not self._plan:
+            self._undrafted += 1
+        return weight
 
     def _after_probe(self, n: int, accepted: int) -> None:
         if self._probing:

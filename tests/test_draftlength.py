@@ -183,14 +183,14 @@ def test_auto_steps_over_lengths_that_are_never_best() -> None:
     assert set(chosen[-20:]) >= {3} and 2 not in chosen
 
 
-def all_or_nothing(policy: AutoLength, rounds: int, accept: bool) -> list[int]:
-    """Rounds whose drafts are accepted whole, or not at all, timed at the policy's costs."""
+def all_or_nothing(policy: AutoLength, costs: Costs, rounds: int, accept: bool) -> list[int]:
+    """Rounds whose drafts are accepted whole, or not at all, timed at `costs`."""
     chosen = []
-    t, draft_call = policy.target_seconds, policy.draft_seconds
+    t = costs.target_seconds
     for _ in range(rounds):
         k = policy.choose(100)
         chosen.append(k)
-        seconds = (k * draft_call, policy.verify[k + 1] * t)
+        seconds = (k * costs.draft_over_target * t, costs.verify[k + 1] * t)
         policy.observe(draft_of(k), k if accept else 0, *seconds)
     return chosen
 
@@ -229,10 +229,11 @@ def test_auto_drafts_again_where_the_shortest_useful_draft_is_long() -> None:
     never worth drafting and the ladder goes 0, 3. After a stretch of useless drafts,
     the climb back must go straight to 3, or drafting never resumes."""
     steep = {1: 1.0, 2: 1.6, 3: 2.5, 4: 2.1} | {n: 2.1 + 0.3 * (n - 4) for n in range(5, 18)}
-    policy = AutoLength(Costs(0.01, 0.1, steep), 0, 8, uses_confidence=False)
+    costs = Costs(0.01, 0.1, steep)
+    policy = AutoLength(costs, 0, 8, uses_confidence=False)
     assert policy.ladder[:2] == [0, 3]
-    assert all_or_nothing(policy, 40, accept=False)[-8:].count(0) >= 7  # useless: stops
-    recovered = all_or_nothing(policy, 150, accept=True)
+    assert all_or_nothing(policy, costs, 40, accept=False)[-8:].count(0) >= 7  # useless: stops
+    recovered = all_or_nothing(policy, costs, 150, accept=True)
     assert all(k >= 3 for k in recovered[-20:])  # the text turned easy: drafting again
 
 
@@ -242,10 +243,11 @@ def test_auto_drafts_again_soon_after_the_text_turns_easy() -> None:
     one round among many before it, probes accepted whole every 8 rounds never brought
     drafting back (a 152k-vocabulary pair, where 2 tokens cost twice one)."""
     curve = {1: 1.0, 2: 2.1, 3: 2.3, 4: 2.4} | {n: 2.4 + 0.3 * (n - 4) for n in range(5, 18)}
-    policy = AutoLength(Costs(0.01, 0.09, curve), 0, 8, uses_confidence=False)
-    assert min(all_or_nothing(policy, 60, accept=True)[-10:]) >= 3  # an easy text: drafting
-    assert all_or_nothing(policy, 30, accept=False)[-6:] == [0] * 6  # a hard stretch: not
-    easy_again = all_or_nothing(policy, 30, accept=True)
+    costs = Costs(0.01, 0.09, curve)
+    policy = AutoLength(costs, 0, 8, uses_confidence=False)
+    assert min(all_or_nothing(policy, costs, 60, accept=True)[-10:]) >= 3  # easy: drafting
+    assert all_or_nothing(policy, costs, 30, accept=False)[-6:] == [0] * 6  # hard: not
+    easy_again = all_or_nothing(policy, costs, 30, accept=True)
     assert min(easy_again[-15:]) >= 3  # drafting again after the first probe or two
 
 
@@ -255,7 +257,7 @@ def test_rounds_a_drafter_had_nothing_for_teach_nothing() -> None:
 
     def after_a_miss(empty_rounds: int) -> list[float]:
         policy = AutoLength(CHEAP, 0, 8, uses_confidence=False)
-        all_or_nothing(policy, 20, accept=True)
+        all_or_nothing(policy, CHEAP, 20, accept=True)
         for _ in range(empty_rounds):
             assert policy.choose(100) > 0
             policy.observe(Draft(), 0, 0.0, CHEAP.verify[1] * CHEAP.target_seconds)
