@@ -502,11 +502,15 @@ class LookupThenModel:
     (a story that only half repeats itself) is left to the model.
 
     Every round's lookup guess is scored against what the target then produced,
-    whether it was used or not, so its rate stays current while the model drafts.
+    whether it was used or not, so its rate stays current while the model drafts
+    and while no one does.
     """
 
     name = "model+ngram"
     DECAY = 0.9  # per scored token
+    # The lookup's guess that is scored each round: longer than any round's new tokens,
+    # so that only the text decides how much of it is tested.
+    GUESS_LENGTH = 64
 
     def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
         self.lookup, self.model = lookup, model
@@ -531,10 +535,18 @@ class LookupThenModel:
     def _decide(self, tokens: list[int]) -> tuple[str, list[int]]:
         """Who drafts (the lookup where it matches and has lately been the better
         guesser, else the model) and the lookup's matches; decided once a round (the
-        text only grows), after scoring last round's guesses."""
+        text only grows), after scoring last round's guesses.
+
+        The lookup's guess is taken here, every round it matches, and not only when
+        someone drafts: where the model's length policy finds that drafting does not
+        pay, no one drafts, and a lookup scored only in drafted rounds never earned
+        its turn (on copied text, which it would have drafted for free)."""
         if self._decided is None or self._decided[0] != len(tokens):
             self._score(tokens)
             ends = self.lookup.matches(tokens)
+            if ends:
+                guess = self.lookup.continuation(tokens, ends, self.GUESS_LENGTH)
+                self._guesses.append((self.lookup.name, len(tokens), guess.tokens))
             better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
             source = self.lookup.name if better and ends else self.model.name
             self._decided = (len(tokens), source, ends)
@@ -562,11 +574,8 @@ class LookupThenModel:
         shape: TreeShape | None = None,
     ) -> Draft:
         source, ends = self._decide(tokens)
-        guess = self.lookup.continuation(tokens, ends, k, shape)
-        if guess.tokens:
-            self._guesses.append((self.lookup.name, len(tokens), guess.primary_path()))
-            if source == self.lookup.name:
-                return guess
+        if source == self.lookup.name:
+            return self.lookup.continuation(tokens, ends, k, shape)
         draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
         return draft

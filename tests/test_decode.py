@@ -28,6 +28,7 @@ from ggufgen import (
 )
 from scipy.stats import chi2_contingency, chisquare
 
+from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
 from specdec_cli.drafters import Draft
 from specdec_cli.draftlength import AutoLength, FixedLength
@@ -207,6 +208,24 @@ def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
         assert lookup_length is not model_length
         assert lookup_length.draft_seconds == 0.0 < model_length.draft_seconds
         assert engine.make_decoder("model", "auto").lengths == {}
+
+
+def test_the_lookup_drafts_beside_a_model_that_does_not_pay(
+    target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a machine where the draft model costs nearly what the target does, -k auto
+    drafts with the model only to probe; the lookup, which costs nothing to draft, must
+    still take the copied stretches (this target's greedy text loops after a while).
+    On such costs it once drafted nothing at all."""
+    costly_model = Costs(1e-4, 0.9, {n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)}, 0.1)
+    monkeypatch.setattr(Engine, "costs", lambda self: costly_model)
+    with open_engine(target_model, draft_model, "auto") as engine:
+        out, stats = generate(
+            engine, n_predict=200, decoder=engine.make_decoder("model+ngram", "auto")
+        )
+    assert out == target_only(target_model, n_predict=200)
+    assert stats.proposed_by["ngram"] > 0
+    assert stats.target_passes < 0.8 * len(out)
 
 
 @pytest.mark.parametrize("k", K_VALUES)

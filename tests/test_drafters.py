@@ -79,3 +79,21 @@ def test_each_text_starts_the_lookup_afresh() -> None:
     drafter = LookupThenModel(NgramDrafter(3, 4), model)
     assert sources(drafter, copied, start=20)[-1] == "ngram"
     assert sources(drafter, varied, start=len(phrase)).count("ngram") == 0
+
+
+def test_the_lookup_earns_its_turn_in_rounds_no_one_drafts() -> None:
+    """Where the model's length policy finds drafting does not pay, it drafts only a
+    probe now and then, and in the other rounds the decode loop asks who drafts next
+    but calls no one: the lookup's guesses must be scored all the same, or copied text,
+    which it drafts for free, never gets it the turn."""
+    text = list(range(1, 21)) * 4
+    drafter = LookupThenModel(NgramDrafter(3, 4), StandInModel(lambda t: [0] * 8))
+    drafter.begin(text[:20])
+    tokens, asked = text[:20], []
+    while len(tokens) < 40:
+        asked.append(drafter.next_source(tokens))
+        probe = len(asked) % 8 == 0
+        if probe and asked[-1] == "model":  # the probe misses: the target's token only
+            drafter.propose(tokens, 3, RNG)
+        tokens = text[: len(tokens) + 1]
+    assert asked[0] == "model" and asked[-1] == "ngram"
