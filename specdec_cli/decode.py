@@ -121,12 +121,13 @@ class Decoder:
                 # and verify in one decode call (the logits of one call are all kept).
                 room = min(n_predict - n_new, target.n_ctx - len(tokens))
                 limit = min(room - 1, target.n_batch - len(unseen))
-                length = self._length_for(tokens)
-                k = length.choose(limit) if drafter else 0
+                length, source, k = self._who_drafts(tokens, limit)
                 shape = self.tree.shape(k, limit) if self.tree and k > 0 else None
                 keep_drafting = length.keep_drafting if length.uses_confidence else None
                 draft_start = _decode_seconds(draft_ctx)
-                draft = drafter.propose(tokens, k, rng, keep_drafting, shape) if k > 0 else NO_DRAFT
+                draft = NO_DRAFT
+                if drafter and k > 0:
+                    draft = drafter.propose(tokens, k, rng, keep_drafting, shape, source)
                 verify_start = target.decode_seconds
 
                 target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
@@ -182,11 +183,23 @@ class Decoder:
             if draft_ctx:
                 stats.draft_calls = draft_ctx.decode_calls - draft_calls_before
 
-    def _length_for(self, tokens: list[int]) -> DraftLength:
-        """The draft length policy of whoever drafts next."""
-        if not self.lengths or self.drafter is None:
-            return self.length
-        return self.lengths.get(self.drafter.next_source(tokens), self.length)
+    def _who_drafts(self, tokens: list[int], limit: int) -> tuple[DraftLength, str | None, int]:
+        """Who drafts this round, by which length policy, and how many tokens: with a
+        policy per source, the first of the drafter's sources whose policy drafts. If
+        none does, the round is the first one's, undrafted."""
+        if self.drafter is None:
+            return self.length, None, 0
+        if not self.lengths:  # one policy for every source: the drafter's first choice
+            return self.length, None, self.length.choose(limit)
+        first = None
+        for source in self.drafter.sources(tokens):
+            length = self.lengths.get(source, self.length)
+            k = length.choose(limit)
+            if k > 0:
+                return length, source, k
+            first = first or length
+        assert first is not None  # a drafter has a source
+        return first, None, 0
 
     def _verify(
         self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams

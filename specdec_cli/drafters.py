@@ -113,9 +113,10 @@ class Drafter(Protocol):
         """A new generation from `prompt`, sampling with `sampling` (None: as before)."""
         ...
 
-    def next_source(self, tokens: list[int]) -> str:
-        """Who will draft after `tokens` (a drafter's name): the decode loop takes the
-        round's length from that drafter's own policy, as their guesses differ."""
+    def sources(self, tokens: list[int]) -> list[str]:
+        """Who may draft after `tokens` (drafters' names), the likeliest to guess right
+        first: the decode loop takes the first whose own length policy drafts, as
+        their guesses and their costs differ."""
         ...
 
     def propose(
@@ -125,7 +126,10 @@ class Drafter(Protocol):
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
-    ) -> Draft: ...
+        source: str | None = None,
+    ) -> Draft:
+        """Up to k tokens deep, from `source` (one of `sources`; None: the first)."""
+        ...
 
 
 class ModelDrafter:
@@ -157,8 +161,8 @@ class ModelDrafter:
         self.ctx.prefill(prompt[:-1])
         self._n_cached, self._unchecked = len(prompt) - 1, []
 
-    def next_source(self, tokens: list[int]) -> str:
-        return self.name
+    def sources(self, tokens: list[int]) -> list[str]:
+        return [self.name]
 
     def _sync(self, tokens: list[int]) -> int:
         """Drop the cached draft tokens that were not accepted; return the cache length
@@ -177,6 +181,7 @@ class ModelDrafter:
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
+        source: str | None = None,
     ) -> Draft:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
         n_keep = self._sync(tokens)
@@ -434,8 +439,8 @@ class NgramDrafter:
                     del ends[0]
         self._indexed = max(self._indexed, upto)
 
-    def next_source(self, tokens: list[int]) -> str:
-        return self.name
+    def sources(self, tokens: list[int]) -> list[str]:
+        return [self.name]
 
     def matches(self, tokens: list[int]) -> list[int]:
         """Where the longest n-gram that ends `tokens` ended before (its latest
@@ -455,6 +460,7 @@ class NgramDrafter:
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
+        source: str | None = None,
     ) -> Draft:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
         return self.continuation(tokens, self.matches(tokens), k, shape)
@@ -499,7 +505,10 @@ class LookupThenModel:
     """N-gram lookup where the text so far offers a match and its guesses have lately
     been accepted more often than the draft model's; the draft model elsewhere.
     Copied stretches then cost no drafting at all, and text the lookup guesses badly
-    (a story that only half repeats itself) is left to the model.
+    (a story that only half repeats itself) is left to the model. Where the lookup
+    matches, the other is the second choice: a lookup's guess costs nothing to draft,
+    so its drafting can pay where the model's does not, and the model's can pay where
+    the lookup's guesses are too often wrong.
 
     Every round's lookup guess is scored against what the target then produced,
     whether it was used or not, so its rate stays current while the model drafts
@@ -517,8 +526,8 @@ class LookupThenModel:
         self.ctx = model.ctx
         self.hit_rate: dict[str, float] = {}
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
-        # This round's decision: (tokens, who drafts after them, the lookup's matches).
-        self._decided: tuple[int, str, list[int]] | None = None
+        # This round's decision: (tokens, who may draft after them, the lookup's matches).
+        self._decided: tuple[int, list[str], list[int]] | None = None
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         """Each text anew: how much one repeats itself says nothing of the next. The
@@ -529,17 +538,17 @@ class LookupThenModel:
         self.hit_rate = {self.lookup.name: 0.5, self.model.name: 1.0}
         self._guesses, self._decided = [], None
 
-    def next_source(self, tokens: list[int]) -> str:
+    def sources(self, tokens: list[int]) -> list[str]:
         return self._decide(tokens)[0]
 
-    def _decide(self, tokens: list[int]) -> tuple[str, list[int]]:
-        """Who drafts (the lookup where it matches and has lately been the better
-        guesser, else the model) and the lookup's matches; decided once a round (the
-        text only grows), after scoring last round's guesses.
+    def _decide(self, tokens: list[int]) -> tuple[list[str], list[int]]:
+        """Who may draft (the lookup only where it matches; first if it has lately been
+        the better guesser) and the lookup's matches; decided once a round (the text
+        only grows), after scoring last round's guesses.
 
         The lookup's guess is taken here, every round it matches, and not only when
         someone drafts: where the model's length policy finds that drafting does not
-        pay, no one drafts, and a lookup scored only in drafted rounds never earned
+        pay, no one may draft, and a lookup scored only in drafted rounds never earned
         its turn (on copied text, which it would have drafted for free)."""
         if self._decided is None or self._decided[0] != len(tokens):
             self._score(tokens)
@@ -547,9 +556,10 @@ class LookupThenModel:
             if ends:
                 guess = self.lookup.continuation(tokens, ends, self.GUESS_LENGTH)
                 self._guesses.append((self.lookup.name, len(tokens), guess.tokens))
-            better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
-            source = self.lookup.name if better and ends else self.model.name
-            self._decided = (len(tokens), source, ends)
+            order = [self.lookup.name, self.model.name]
+            if self.hit_rate[self.lookup.name] <= self.hit_rate[self.model.name]:
+                order.reverse()
+            self._decided = (len(tokens), order if ends else [self.model.name], ends)
         return self._decided[1], self._decided[2]
 
     def _score(self, tokens: list[int]) -> None:
@@ -572,9 +582,10 @@ class LookupThenModel:
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
+        source: str | None = None,
     ) -> Draft:
-        source, ends = self._decide(tokens)
-        if source == self.lookup.name:
+        order, ends = self._decide(tokens)
+        if (source or order[0]) == self.lookup.name:
             return self.lookup.continuation(tokens, ends, k, shape)
         draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))

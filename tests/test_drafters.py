@@ -91,7 +91,7 @@ def test_the_lookup_earns_its_turn_in_rounds_no_one_drafts() -> None:
     drafter.begin(text[:20])
     tokens, asked = text[:20], []
     while len(tokens) < 40:
-        asked.append(drafter.next_source(tokens))
+        asked.append(drafter.sources(tokens)[0])
         probe = len(asked) % 8 == 0
         if probe and asked[-1] == "model":  # the probe misses: the target's token only
             drafter.propose(tokens, 3, RNG)
