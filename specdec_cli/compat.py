@@ -203,8 +203,8 @@ def check_pair(target: ModelFacts, draft: ModelFacts) -> CompatReport:
     if target.file.n_params and draft.file.n_params >= target.file.n_params:
         report.warnings.append(
             f"the draft is not smaller than the target ({draft.file.n_params:,} vs "
-            f"{target.file.n_params:,} parameters), so speculative decoding will be slower than "
-            "the target alone; pick a much smaller draft"
+            f"{target.file.n_params:,} parameters), so drafting with it is unlikely to pay (the "
+            "n-gram lookup still may); pick a much smaller draft"
         )
     return report
 
