@@ -191,15 +191,12 @@ class Decoder:
             return self.length, None, 0
         if not self.lengths:  # one policy for every source: the drafter's first choice
             return self.length, None, self.length.choose(limit)
-        first = None
-        for source in self.drafter.sources(tokens):
-            length = self.lengths.get(source, self.length)
+        policies = [(s, self.lengths.get(s, self.length)) for s in self.drafter.sources(tokens)]
+        for source, length in policies:
             k = length.choose(limit)
             if k > 0:
                 return length, source, k
-            first = first or length
-        assert first is not None  # a drafter has a source
-        return first, None, 0
+        return policies[0][1], None, 0
 
     def _verify(
         self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams

@@ -165,10 +165,20 @@ def test_greedy_lookup_then_model(
     assert stats.proposed_by["model"] > 0
 
 
+# A machine where a few draft tokens cost nothing to verify and more cost 0.3 of a pass
+# each, for tests of -k auto that need drafts a few tokens long whatever the machine
+# they run on measures (verification flat to 16 tokens made auto draft 7 deep, leaving
+# an 8-node tree no branches; a steep one made a lookup at temperature 1 draft nothing).
+MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
+
+
 @pytest.mark.parametrize("k", ["3", "auto"])
-def test_greedy_lookup_then_model_trees(target_model: Path, draft_model: Path, k: str) -> None:
+def test_greedy_lookup_then_model_trees(
+    target_model: Path, draft_model: Path, k: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Tree rounds from both drafters (the lookup's branches are its earlier
     continuations), each at its own length: still the target's text."""
+    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
     with open_engine(target_model, draft_model, k, tree="8") as engine:
         out, stats = generate(engine, n_predict=200, decoder=engine.make_decoder("model+ngram", k))
     assert out == target_only(target_model, n_predict=200)
@@ -465,8 +475,10 @@ def test_sampling_matches_target_distribution(
     drafter: str,
     k: str,
     tree: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first tokens of thousands of seeded runs: speculative vs target-only."""
+    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
     with open_engine(target_model, draft_model, 4, SAMPLING, tree=tree) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS), decoder)
