@@ -40,6 +40,13 @@ from specdec_cli.stats import Stats
 PROMPT = "Once upon a time"
 K_VALUES = [1, 2, 4, 8, "auto"]
 
+# A machine where a few draft tokens cost nothing to verify and more cost 0.3 of a pass
+# each, for tests of -k auto that need drafts a few tokens long whatever the machine
+# they run on measures (verification flat to 16 tokens made auto draft 7 deep, leaving
+# an 8-node tree no branches; a steep one made a lookup at temperature 1 draft nothing, and
+# one where 2 tokens cost twice 1 made the lookup on stories260K's text give up).
+MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
+
 
 def open_engine(
     target: Path,
@@ -165,13 +172,6 @@ def test_greedy_lookup_then_model(
     assert stats.proposed_by["model"] > 0
 
 
-# A machine where a few draft tokens cost nothing to verify and more cost 0.3 of a pass
-# each, for tests of -k auto that need drafts a few tokens long whatever the machine
-# they run on measures (verification flat to 16 tokens made auto draft 7 deep, leaving
-# an 8-node tree no branches; a steep one made a lookup at temperature 1 draft nothing).
-MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
-
-
 @pytest.mark.parametrize("k", ["3", "auto"])
 def test_greedy_lookup_then_model_trees(
     target_model: Path, draft_model: Path, k: str, monkeypatch: pytest.MonkeyPatch
@@ -250,7 +250,10 @@ def test_greedy_ngram_draft(target_model: Path, fixture_reference, k: int) -> No
 
 
 @pytest.mark.parametrize("k", K_VALUES)
-def test_greedy_stories260k(stories260k: Path, stories_reference, k: int) -> None:
+def test_greedy_stories260k(
+    stories260k: Path, stories_reference, k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
     for draft in (stories260k, "ngram"):
         with open_engine(stories260k, draft, k) as engine:
             out, stats = generate(engine, n_predict=128)
