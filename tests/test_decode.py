@@ -207,6 +207,26 @@ def test_a_lookup_beside_the_model_drafts_at_its_own_length(
     assert max(stats.draft_lengths) > 1  # only the lookup's rounds can draft more than 1
 
 
+def test_the_model_drafts_where_a_preferred_lookup_declines(
+    target_model: Path, draft_model: Path
+) -> None:
+    """Who may draft is asked in order: where the lookup is the better guesser (this
+    target's text loops) but its own policy drafts nothing, the model's turn comes.
+    Before, those rounds went undrafted."""
+    with open_engine(target_model, draft_model, 2) as engine:
+        decoder = Decoder(
+            engine.target,
+            engine.make_decoder("model+ngram", "2").drafter,
+            GREEDY,
+            FixedLength(2),
+            lengths={"ngram": FixedLength(0)},
+        )
+        out, stats = generate(engine, n_predict=200, decoder=decoder)
+    assert out == target_only(target_model, n_predict=200)
+    assert stats.proposed_by["ngram"] == 0 < stats.proposed_by["model"]
+    assert stats.draft_lengths[0] <= 1  # only the last round, with room for one token
+
+
 def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
     target_model: Path, draft_model: Path
 ) -> None:
