@@ -465,6 +465,11 @@ class NgramDrafter:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
         return self.continuation(tokens, self.matches(tokens), k, shape)
 
+    @staticmethod
+    def followed(tokens: list[int], ends: list[int], n: int) -> list[int]:
+        """The n tokens that followed the latest of `ends` (see matches): its guess."""
+        return tokens[ends[-1] + 1 : ends[-1] + 1 + n]
+
     def continuation(
         self, tokens: list[int], ends: list[int], k: int, shape: TreeShape | None = None
     ) -> Draft:
@@ -472,7 +477,7 @@ class NgramDrafter:
         matches): up to k tokens deep, a chain or the tree `shape` allows."""
         draft = Draft(source=self.name)
         if ends and (shape is None or shape.is_chain):
-            draft.tokens = tokens[ends[-1] + 1 : ends[-1] + 1 + k]
+            draft.tokens = self.followed(tokens, ends, k)
         elif ends:
             continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
             _merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
@@ -553,13 +558,14 @@ class LookupThenModel:
         if self._decided is None or self._decided[0] != len(tokens):
             self._score(tokens)
             ends = self.lookup.matches(tokens)
+            order = [self.model.name]
             if ends:
-                guess = self.lookup.continuation(tokens, ends, self.GUESS_LENGTH)
-                self._guesses.append((self.lookup.name, len(tokens), guess.tokens))
-            order = [self.lookup.name, self.model.name]
-            if self.hit_rate[self.lookup.name] <= self.hit_rate[self.model.name]:
-                order.reverse()
-            self._decided = (len(tokens), order if ends else [self.model.name], ends)
+                # Only its tokens: a Draft would carry a point proposal for each of them.
+                guess = self.lookup.followed(tokens, ends, self.GUESS_LENGTH)
+                self._guesses.append((self.lookup.name, len(tokens), guess))
+                better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
+                order.insert(0 if better else 1, self.lookup.name)
+            self._decided = (len(tokens), order, ends)
         return self._decided[1], self._decided[2]
 
     def _score(self, tokens: list[int]) -> None:
