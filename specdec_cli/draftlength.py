@@ -100,11 +100,12 @@ class AutoLength:
     or slowing down. The ai are running
     averages per position that forget old rounds (`decay`), so k follows the text.
 
-    k moves one step at a time, and only when the step pays for itself: every change
-    of batch size costs llama.cpp a rebuild of its compute graph, which a steady k
-    never pays, and the estimates beyond the positions drafted lately are guesses. A
-    step goes to the next length that is the best for some acceptance rate (batch
-    costs are uneven: on the benchmark pair k=2 never is). Replayed on real acceptance
+    k moves one step at a time, towards the length the estimates rate best, and only
+    when going there pays for itself: every change of batch size costs llama.cpp a
+    rebuild of its compute graph, which a steady k never pays, and the estimates
+    beyond the positions drafted lately are guesses. A step goes to the next length
+    that is the best for some acceptance rate (batch costs are uneven: on the benchmark
+    pair k=2 never is). Replayed on real acceptance
     patterns (benchmarks/replay_draft_length.py), choosing the best k afresh each
     round, or holding each choice for a few rounds, lost 1-7 % to the best fixed k;
     this rule drafts what the best fixed k drafts on the benchmark pair, and comes
@@ -250,22 +251,27 @@ class AutoLength:
         return max(lengths, key=lambda k: self.expected_rate(k, estimates))
 
     def _step(self, estimates: list[float], k: int, top: int) -> int:
-        """k, or the next useful length above or below it if that is worth the change."""
+        """k, or the next useful length towards the best one if going there is worth
+        the change. Each step is judged again on the rounds it drafts; a slope of small
+        steps (a flat cost curve) is followed too, which steps judged one by one did
+        not (none promised MIN_GAIN)."""
         floor = min(self.k_min, top)
         if k < floor:
             return floor
         rungs = [n for n in self.ladder if floor <= n <= top]
-        neighbours = [n for n in rungs if n < k][-1:] + [n for n in rungs if n > k][:1]
-        # (Starting to draft again goes straight to the first rung, however long.)
-        neighbours = [n for n in neighbours if n <= max(k + self.MAX_CLIMB, self._first_rung)]
-        if not neighbours:
+        if not rungs:
             return k
         now = self.expected_rate(k, estimates)
-        rate, best = max((self.expected_rate(n, estimates), n) for n in neighbours)
+        rate, best = max((self.expected_rate(n, estimates), n) for n in rungs)
         gain = (rate - now) * self.cost(best)  # tokens a round
         rebuilds = 2 * self.switch * self.target_seconds * now  # tokens two rebuilds cost
         worth_it = rate > now * (1.0 + self.MIN_GAIN) and gain * self.PAYBACK_ROUNDS > rebuilds
-        return best if worth_it else k
+        if not worth_it or best == k:
+            return k
+        below, above = [n for n in rungs if n < k], [n for n in rungs if n > k]
+        step = below[-1] if best < k else above[0]
+        # (Starting to draft again goes straight to the first rung, however long.)
+        return step if step <= max(k + self.MAX_CLIMB, self._first_rung) else k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:
