@@ -191,9 +191,8 @@ class AutoLength:
 
     def _best_at(self, acceptance: float) -> int:
         """The best k if every draft token were accepted at this rate."""
-        estimates = [acceptance] * self.k_max
-        lengths = range(self.k_min, self.k_max + 1)
-        return max(lengths, key=lambda k: self.expected_rate(k, estimates))
+        rates = self.expected_rates([acceptance] * self.k_max, self.k_max)
+        return max(range(self.k_min, self.k_max + 1), key=rates.__getitem__)
 
     def _useful_lengths(self) -> list[int]:
         """The draft lengths that are the best for some acceptance rate. k steps over
@@ -218,13 +217,15 @@ class AutoLength:
         drafting = calls * self.draft_seconds
         return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
 
-    def expected_rate(self, k: int, estimates: list[float]) -> float:
-        """Expected tokens per second of k-token drafts."""
+    def expected_rates(self, estimates: list[float], top: int) -> list[float]:
+        """Expected tokens per second of k-token drafts, for every k from 0 to `top`."""
         survive = expected = 1.0
-        for a in estimates[:k]:
+        rates = [expected / self.cost(0)]
+        for k, a in enumerate(estimates[:top], start=1):
             survive *= a
             expected += survive
-        return expected / self.cost(k, survive)
+            rates.append(expected / self.cost(k, survive))
+        return rates
 
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)
@@ -247,8 +248,9 @@ class AutoLength:
         Where they are low (a draft that never agrees) that is the cheapest; where they
         are middling, a longer probe also tests the positions past the first, and
         yields more if the text has turned easy."""
-        lengths = range(1, min(self._first_rung, top) + 1)
-        return max(lengths, key=lambda k: self.expected_rate(k, estimates))
+        longest = min(self._first_rung, top)
+        rates = self.expected_rates(estimates, longest)
+        return max(range(1, longest + 1), key=rates.__getitem__)
 
     def _step(self, estimates: list[float], k: int, top: int) -> int:
         """k, or the next useful length towards the best one if going there is worth
@@ -261,8 +263,9 @@ class AutoLength:
         rungs = [n for n in self.ladder if floor <= n <= top]
         if not rungs:
             return k
-        now = self.expected_rate(k, estimates)
-        rate, best = max((self.expected_rate(n, estimates), n) for n in rungs)
+        rates = self.expected_rates(estimates, top)
+        now = rates[k]
+        rate, best = max((rates[n], n) for n in rungs)
         gain = (rate - now) * self.cost(best)  # tokens a round
         rebuilds = 2 * self.switch * self.target_seconds * now  # tokens two rebuilds cost
         worth_it = rate > now * (1.0 + self.MIN_GAIN) and gain * self.PAYBACK_ROUNDS > rebuilds
