@@ -104,12 +104,12 @@ class AutoLength:
     when going there pays for itself: every change of batch size costs llama.cpp a
     rebuild of its compute graph, which a steady k never pays, and the estimates
     beyond the positions drafted lately are guesses. A step goes to the next length
-    that is the best for some acceptance rate (batch costs are uneven: on the benchmark
-    pair k=2 never is). Replayed on real acceptance
-    patterns (benchmarks/replay_draft_length.py), choosing the best k afresh each
-    round, or holding each choice for a few rounds, lost 1-7 % to the best fixed k;
-    this rule drafts what the best fixed k drafts on the benchmark pair, and comes
-    within about 1 % of the best fixed k where that changes from prompt to prompt.
+    that is the best for some acceptance rate (batch costs are uneven: on the
+    benchmark pair k=2 never is). Replayed on real acceptance patterns
+    (benchmarks/replay_draft_length.py), choosing the best k afresh each round, or
+    holding each choice for a few rounds, lost 1-7 % to the best fixed k; this rule
+    drafts what the best fixed k drafts on the benchmark pair, and comes within about
+    1 % of the best fixed k where that changes from prompt to prompt.
 
     With `uses_confidence` (a draft model and --draft-p-min), the draft's confidence
     refines the plan while drafting: it stops early when the tokens it would still
@@ -271,8 +271,7 @@ class AutoLength:
         worth_it = rate > now * (1.0 + self.MIN_GAIN) and gain * self.PAYBACK_ROUNDS > rebuilds
         if not worth_it or best == k:
             return k
-        below, above = [n for n in rungs if n < k], [n for n in rungs if n > k]
-        step = below[-1] if best < k else above[0]
+        step = max(n for n in rungs if n < k) if best < k else min(n for n in rungs if n > k)
         # (Starting to draft again goes straight to the first rung, however long.)
         return step if step <= max(k + self.MAX_CLIMB, self._first_rung) else k
 

@@ -48,6 +48,17 @@ K_VALUES = [1, 2, 4, 8, "auto"]
 MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
 
 
+def pin_costs(monkeypatch: pytest.MonkeyPatch, costs: Costs) -> None:
+    """Every engine of the test prices -k auto and --tree auto with `costs`, not with
+    what the machine running it measures."""
+    monkeypatch.setattr(Engine, "costs", lambda self: costs)
+
+
+@pytest.fixture
+def moderate_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_costs(monkeypatch, MODERATE_COSTS)
+
+
 def open_engine(
     target: Path,
     draft: Path | str | None = None,
@@ -172,13 +183,11 @@ def test_greedy_lookup_then_model(
     assert stats.proposed_by["model"] > 0
 
 
+@pytest.mark.usefixtures("moderate_costs")
 @pytest.mark.parametrize("k", ["3", "auto"])
-def test_greedy_lookup_then_model_trees(
-    target_model: Path, draft_model: Path, k: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_greedy_lookup_then_model_trees(target_model: Path, draft_model: Path, k: str) -> None:
     """Tree rounds from both drafters (the lookup's branches are its earlier
     continuations), each at its own length: still the target's text."""
-    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
     with open_engine(target_model, draft_model, k, tree="8") as engine:
         out, stats = generate(engine, n_predict=200, decoder=engine.make_decoder("model+ngram", k))
     assert out == target_only(target_model, n_predict=200)
@@ -251,7 +260,7 @@ def test_the_lookup_drafts_beside_a_model_that_does_not_pay(
     rounds; and where the model was the better guesser (the target as its own draft,
     always right), it drafted only in the rounds the lookup was preferred, none."""
     costly_model = Costs(1e-4, 0.9, {n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)}, 0.1)
-    monkeypatch.setattr(Engine, "costs", lambda self: costly_model)
+    pin_costs(monkeypatch, costly_model)
     with open_engine(target_model, target_model if own_draft else draft_model, "auto") as engine:
         out, stats = generate(
             engine, n_predict=200, decoder=engine.make_decoder("model+ngram", "auto")
@@ -269,11 +278,9 @@ def test_greedy_ngram_draft(target_model: Path, fixture_reference, k: int) -> No
     assert out == fixture_reference
 
 
+@pytest.mark.usefixtures("moderate_costs")
 @pytest.mark.parametrize("k", K_VALUES)
-def test_greedy_stories260k(
-    stories260k: Path, stories_reference, k: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
+def test_greedy_stories260k(stories260k: Path, stories_reference, k: int) -> None:
     for draft in (stories260k, "ngram"):
         with open_engine(stories260k, draft, k) as engine:
             out, stats = generate(engine, n_predict=128)
@@ -478,6 +485,7 @@ def sampled_baseline(target_model: Path) -> np.ndarray:
         return first_tokens(engine, range(N_RUNS))
 
 
+@pytest.mark.usefixtures("moderate_costs")
 @pytest.mark.parametrize(
     ("drafter", "k", "tree"),
     [
@@ -498,10 +506,8 @@ def test_sampling_matches_target_distribution(
     drafter: str,
     k: str,
     tree: str,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The first tokens of thousands of seeded runs: speculative vs target-only."""
-    monkeypatch.setattr(Engine, "costs", lambda self: MODERATE_COSTS)
     with open_engine(target_model, draft_model, 4, SAMPLING, tree=tree) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS), decoder)
