@@ -79,12 +79,13 @@ class TreeShape:
     """How one round's draft may grow. Depth d (from 0) adds children to the `width`
     likeliest nodes of depth d-1, up to `branch` each; at most `nodes` tokens are kept,
     the primary path (first children) first, then the likeliest others (a node's score
-    is the draft's probability of its whole path). Side nodes (not first children)
-    below `min_score` are not drafted. With `verify` (the target's cost of a batch of
-    n tokens at n - 1, in one-token passes) and `draft_call` (a draft call's cost), the
-    kept tokens are cut to the number that maximises the round's expected tokens per
-    cost: 1 plus the kept scores, over the draft calls and the verification. A chain:
-    nodes = k, width = branch = 1."""
+    is the chance that the target takes its whole path: the product of `odds(rank,
+    probability)` down it, or of the draft's probabilities without `odds`). Side nodes
+    (not first children) below `min_score` are not drafted. With `verify` (the target's
+    cost of a batch of n tokens at n - 1, in one-token passes) and `draft_call` (a draft
+    call's cost), the kept tokens are cut to the number that maximises the round's
+    expected tokens per cost: 1 plus the kept scores, over the draft calls and the
+    verification. A chain: nodes = k, width = branch = 1."""
 
     nodes: int
     width: int = 1
@@ -92,6 +93,7 @@ class TreeShape:
     min_score: float = 0.0
     verify: tuple[float, ...] = ()
     draft_call: float = 0.0
+    odds: Callable[[int, float], float] | None = None
 
     @property
     def is_chain(self) -> bool:
@@ -324,7 +326,7 @@ class _Growth:
             return []
         added = []
         for i, (token, prob, dist) in enumerate(zip(ids, probs, dists, strict=True)):
-            score = parent_score * prob
+            score = parent_score * (shape.odds(i, prob) if shape.odds else prob)
             primary = on_primary and i == 0
             if not primary and score < shape.min_score:
                 continue

@@ -9,6 +9,7 @@ and it is accepted when the draft's first choice was wrong and this one right.
 
 from __future__ import annotations
 
+from bisect import bisect
 from typing import Protocol
 
 from specdec_cli.costmodel import Costs, verify_cost
@@ -18,6 +19,54 @@ MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
 # Verifying more tokens for at most this much more (in one-token target passes) than
 # the chain's batch counts as free: how AutoTree judges how wide a tree is worth growing.
 FLAT_EXTRA = 0.05
+
+
+class NodeOdds:
+    """How often the target takes the draft's first choice at a node, by the draft's
+    probability of it, learnt from the rounds of this generation.
+
+    A tree keeps the nodes whose paths score highest, and AutoTree cuts it where the
+    scores stop paying: both read a score as the chance that the target takes the path.
+    The draft's own probabilities are that chance only for a well-calibrated draft; a
+    draft unsure even where it is right (a random-weight 152k one here) gave deep nodes
+    far too little, so trees spent their nodes near the root. So a first choice scores
+    what first choices of its probability were worth in the rounds verified so far,
+    starting from the draft's probability (PRIOR rounds' worth of it). Alternatives
+    keep the draft's probability: learnt the same way, they made trees worse on a
+    trained draft (see benchmarks/README.md).
+    """
+
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # probability bands
+    PRIOR = 2.0
+
+    def __init__(self) -> None:
+        self.begin()
+
+    def begin(self) -> None:
+        self._offered = [0.0] * (len(self.EDGES) + 1)
+        self._taken = [0.0] * (len(self.EDGES) + 1)
+
+    def chance(self, rank: int, probability: float) -> float:
+        """The chance that the target takes a node, its parent taken: the rank-th child
+        (0: the draft's first choice) with the draft's `probability`."""
+        if rank:
+            return probability
+        band = bisect(self.EDGES, probability)
+        return (self._taken[band] + self.PRIOR * probability) / (self._offered[band] + self.PRIOR)
+
+    def observe(self, draft: Draft, path: list[int]) -> None:
+        """Count the first choices the target was offered (their parent taken) and
+        which of them it took."""
+        if len(draft.confidences) != len(draft.tokens):
+            return  # no probabilities to file them under (a lookup's draft)
+        taken = {-1, *path}
+        seen = set()
+        for node, parent in enumerate(draft.parent_list()):
+            if parent in taken and parent not in seen:  # its parent's first child
+                band = bisect(self.EDGES, draft.confidences[node])
+                self._offered[band] += 1
+                self._taken[band] += node in taken
+            seen.add(parent)
 
 
 class TreePolicy(Protocol):
@@ -47,19 +96,20 @@ class FixedTree:
 
     def __init__(self, nodes: int) -> None:
         self.nodes = nodes
+        self.odds = NodeOdds()
 
     def begin(self) -> None:
-        pass
+        self.odds.begin()
 
     def shape(self, k: int, limit: int) -> TreeShape | None:
         nodes = min(self.nodes, limit)
         if nodes <= k:
             return None
         width = spread(nodes, k)
-        return TreeShape(nodes, width, width)
+        return TreeShape(nodes, width, width, odds=self.odds.chance)
 
     def observe(self, draft: Draft, path: list[int]) -> None:
-        pass
+        self.odds.observe(draft, path)
 
 
 class AutoTree:
@@ -91,9 +141,11 @@ class AutoTree:
         # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
         self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
         self._plans: dict[tuple[int, int], tuple[float, int]] = {}  # see _plan
+        self.odds = NodeOdds()
         self.begin()
 
     def begin(self) -> None:
+        self.odds.begin()
         self.rate = 1.0  # tokens per unit of cost: target-only to start
         self._gap = self.PROBE_GAP
         self._wait = 0  # chain rounds left before the next tree
@@ -118,6 +170,7 @@ class AutoTree:
             min_score=max(0.0, bar),
             verify=self.verify[: nodes + 1],
             draft_call=self.costs.draft_over_target,
+            odds=self.odds.chance,
         )
 
     def _plan(self, k: int, nodes: int) -> tuple[float, int]:
@@ -152,6 +205,7 @@ class AutoTree:
         trying, self._trying = self._trying, False
         if not draft.tokens:
             return
+        self.odds.observe(draft, path)
         costs, batch = self.costs, len(draft.tokens) + 1
         cost = draft.calls * costs.draft_over_target + verify_cost(costs.verify, batch)
         self.rate += (1.0 - self.DECAY) * ((len(path) + 1) / cost - self.rate)

@@ -17,7 +17,7 @@ from specdec_cli.engine import parse_tree
 from specdec_cli.errors import UserError
 from specdec_cli.llama import Context, ContextParams, Model
 from specdec_cli.sampling import GREEDY
-from specdec_cli.treeshape import AutoTree, FixedTree
+from specdec_cli.treeshape import AutoTree, FixedTree, NodeOdds
 
 # A tree hanging from the last prompt token (index 0 of the call): three children, the
 # first with two of its own, the third with one.
@@ -140,9 +140,10 @@ def test_bad_tree_values_are_refused(value: str) -> None:
 
 def test_fixed_tree_shape() -> None:
     assert FixedTree(4).shape(k=4, limit=100) is None  # no room beside the chain
-    shape = FixedTree(16).shape(k=4, limit=100)
-    assert shape == TreeShape(16, 4, 4)
-    assert FixedTree(16).shape(k=4, limit=10) == TreeShape(10, 2, 2)  # near the end
+    policy = FixedTree(16)
+    odds = policy.odds.chance
+    assert policy.shape(k=4, limit=100) == TreeShape(16, 4, 4, odds=odds)
+    assert policy.shape(k=4, limit=10) == TreeShape(10, 2, 2, odds=odds)  # near the end
 
 
 def flat_costs(per_token: float) -> Costs:
@@ -213,6 +214,41 @@ def test_auto_tree_fills_the_flat_part_of_the_curve(
         out, stats = generate(engine, 64, decoder=decoder)
     assert out == reference
     assert max(stats.batch_sizes) == 8
+
+
+# The draft's first choice at the root (0.04), an alternative beside it (0.03), and the
+# first choice below the first (0.04): a draft unsure even where it is right.
+UNSURE_TREE = Draft([5, 6, 7], confidences=[0.04, 0.03, 0.04], calls=2, parents=[-1, -1, 0])
+
+
+def test_first_choices_score_what_they_were_worth() -> None:
+    odds = NodeOdds()
+    assert odds.chance(0, 0.04) == 0.04  # nothing learnt yet: the draft's own
+    for _ in range(20):
+        odds.observe(UNSURE_TREE, [0, 2])  # the target took both first choices
+    assert odds.chance(0, 0.04) > 0.9
+    assert odds.chance(0, 0.6) == 0.6  # another band: nothing learnt there
+    assert odds.chance(1, 0.03) == 0.03  # alternatives keep the draft's probability
+    odds.begin()
+    for _ in range(20):
+        odds.observe(UNSURE_TREE, [1])  # it took the alternative: the first was refused,
+    assert odds.chance(0, 0.04) < 0.01  # and the one below it was never offered
+    odds.observe(Draft([5, 6]), [0, 1])  # a lookup's draft: no probabilities to learn
+    assert odds.chance(0, 0.04) < 0.01
+
+
+@pytest.mark.parametrize(
+    "make", [lambda: FixedTree(16), lambda: AutoTree(flat_costs(0.003), 32)], ids=["fixed", "auto"]
+)
+def test_tree_policies_score_nodes_with_what_this_generation_learnt(make) -> None:
+    policy = make()
+    for _ in range(10):
+        policy.shape(k=3, limit=100)
+        policy.observe(UNSURE_TREE, [0, 2])
+    shape = policy.shape(k=3, limit=100)
+    assert shape is not None and shape.odds is not None and shape.odds(0, 0.04) > 0.8
+    policy.begin()  # a new generation starts from the draft's own probabilities
+    assert policy.shape(k=3, limit=100).odds(0, 0.04) == 0.04  # type: ignore[union-attr]
 
 
 def test_draft_paths() -> None:
