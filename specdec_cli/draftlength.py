@@ -12,6 +12,7 @@ probability at that point.
 
 from __future__ import annotations
 
+from bisect import bisect
 from typing import Protocol
 
 from specdec_cli.costmodel import Costs, verify_cost
@@ -66,28 +67,29 @@ class Calibration:
 
     A draft model's top probability is a signal, not a probability of acceptance (a
     small model is often right while unsure), so it is calibrated on what the target
-    actually accepted, in bins, starting from the confidence itself as a prior.
+    actually accepted, in bands, starting from the confidence itself as a prior
+    (PRIOR_WEIGHT tokens' worth). The bands are finest at the low end, where a small
+    draft of a 152k-262k vocabulary puts most of its first choices: on a random-weight
+    Qwen2 pair, those the draft gave 0.02-0.05 were accepted 27 % of the time, 0.1-0.2
+    70 %.
     """
 
-    BINS = 10
-    PRIOR_WEIGHT = 4.0
+    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
+    PRIOR_WEIGHT = 2.0
 
     def __init__(self) -> None:
-        self.hits = [0.0] * self.BINS
-        self.seen = [0.0] * self.BINS
-
-    def _bin(self, confidence: float) -> int:
-        return min(self.BINS - 1, int(confidence * self.BINS))
+        self.hits = [0.0] * (len(self.EDGES) + 1)
+        self.seen = [0.0] * (len(self.EDGES) + 1)
 
     def __call__(self, confidence: float) -> float:
-        b = self._bin(confidence)
-        prior = (b + 0.5) / self.BINS
-        return (self.hits[b] + self.PRIOR_WEIGHT * prior) / (self.seen[b] + self.PRIOR_WEIGHT)
+        band = bisect(self.EDGES, confidence)
+        weight = self.PRIOR_WEIGHT
+        return (self.hits[band] + weight * confidence) / (self.seen[band] + weight)
 
     def record(self, confidence: float, accepted: bool) -> None:
-        b = self._bin(confidence)
-        self.seen[b] += 1.0
-        self.hits[b] += accepted
+        band = bisect(self.EDGES, confidence)
+        self.seen[band] += 1.0
+        self.hits[band] += accepted
 
 
 class AutoLength:

@@ -9,11 +9,11 @@ and it is accepted when the draft's first choice was wrong and this one right.
 
 from __future__ import annotations
 
-from bisect import bisect
 from typing import Protocol
 
 from specdec_cli.costmodel import Costs, verify_cost
 from specdec_cli.drafters import Draft, TreeShape
+from specdec_cli.draftlength import Calibration
 
 MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
 # Verifying more tokens for at most this much more (in one-token target passes) than
@@ -22,37 +22,27 @@ FLAT_EXTRA = 0.05
 
 
 class NodeOdds:
-    """How often the target takes the draft's first choice at a node, by the draft's
-    probability of it, learnt from the rounds of this generation.
+    """The chance that the target takes a draft node, its parent taken, for the scores
+    a tree's nodes are kept by (and AutoTree cuts by): a path's score is the chance that
+    the target takes all of it.
 
-    A tree keeps the nodes whose paths score highest, and AutoTree cuts it where the
-    scores stop paying: both read a score as the chance that the target takes the path.
-    The draft's own probabilities are that chance only for a well-calibrated draft; a
-    draft unsure even where it is right (a random-weight 152k one here) gave deep nodes
-    far too little, so trees spent their nodes near the root. So a first choice scores
-    what first choices of its probability were worth in the rounds verified so far,
-    starting from the draft's probability (PRIOR rounds' worth of it). Alternatives
-    keep the draft's probability: learnt the same way, they made trees worse on a
-    trained draft (see benchmarks/README.md).
+    The draft's probabilities are that chance only for a well-calibrated draft; a draft
+    unsure even where it is right (a random-weight 152k one here) gave deep nodes far
+    too little, so trees spent their nodes near the root. So a first choice scores what
+    first choices of its probability were worth in this generation's rounds so far
+    (`Calibration`). Alternatives keep the draft's probability: calibrated the same way,
+    by rank, they made trees worse on a trained draft (see benchmarks/README.md).
     """
-
-    EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)  # probability bands
-    PRIOR = 2.0
 
     def __init__(self) -> None:
         self.begin()
 
     def begin(self) -> None:
-        self._offered = [0.0] * (len(self.EDGES) + 1)
-        self._taken = [0.0] * (len(self.EDGES) + 1)
+        self.first_choices = Calibration()
 
     def chance(self, rank: int, probability: float) -> float:
-        """The chance that the target takes a node, its parent taken: the rank-th child
-        (0: the draft's first choice) with the draft's `probability`."""
-        if rank:
-            return probability
-        band = bisect(self.EDGES, probability)
-        return (self._taken[band] + self.PRIOR * probability) / (self._offered[band] + self.PRIOR)
+        """The rank-th child (0: the draft's first choice) with the draft's `probability`."""
+        return self.first_choices(probability) if rank == 0 else probability
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         """Count the first choices the target was offered (their parent taken) and
@@ -60,13 +50,11 @@ class NodeOdds:
         if len(draft.confidences) != len(draft.tokens):
             return  # no probabilities to file them under (a lookup's draft)
         taken = {-1, *path}
-        seen = set()
+        has_first_child = set()
         for node, parent in enumerate(draft.parent_list()):
-            if parent in taken and parent not in seen:  # its parent's first child
-                band = bisect(self.EDGES, draft.confidences[node])
-                self._offered[band] += 1
-                self._taken[band] += node in taken
-            seen.add(parent)
+            if parent in taken and parent not in has_first_child:
+                self.first_choices.record(draft.confidences[node], node in taken)
+            has_first_child.add(parent)
 
 
 class TreePolicy(Protocol):

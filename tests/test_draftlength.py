@@ -54,6 +54,10 @@ def test_calibration_starts_at_confidence_and_learns() -> None:
         calibration.record(0.35, True)  # an unsure draft that is nonetheless always right
     assert calibration(0.35) > 0.95
     assert abs(calibration(0.85) - 0.85) < 1e-9  # other bins untouched
+    for _ in range(200):
+        calibration.record(0.03, True)  # a small draft of a large vocabulary
+    assert calibration(0.03) > 0.95
+    assert abs(calibration(0.07) - 0.07) < 1e-9  # the low end is banded finely
 
 
 def test_auto_drafts_long_when_accepted_and_short_when_not() -> None:
