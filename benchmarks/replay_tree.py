@@ -143,7 +143,8 @@ def simulate(
         tokens = prompt + text[:done]
         draft = drafter.propose(tokens, k, rng, shape=shape) if k > 0 else Draft()
         path = accepted_path(draft, text[done:])
-        length.observe(draft, len(path), None, None)
+        on_primary = len(path) - draft.beside_primary(path)
+        length.observe(draft, len(path), None, None, on_primary=on_primary)
         if tree:
             tree.observe(draft, path)
         rounds.append(Round(draft.calls, len(draft.tokens) + 1, len(path) + 1))

@@ -150,7 +150,14 @@ class Decoder:
                     other_seconds = round_end - round_start - draft_seconds - verify_seconds
                 else:  # k decides which random numbers go where: a seed must reproduce
                     draft_seconds = verify_seconds = other_seconds = None
-                length.observe(draft, n_accepted, draft_seconds, verify_seconds, other_seconds)
+                length.observe(
+                    draft,
+                    n_accepted,
+                    draft_seconds,
+                    verify_seconds,
+                    other_seconds,
+                    on_primary=n_accepted - draft.beside_primary(path),
+                )
                 if self.tree:
                     self.tree.observe(draft, path)
 

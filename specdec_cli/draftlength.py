@@ -1,7 +1,8 @@
 """How many tokens to draft each round, and when to stop a draft early.
 
 The decode loop asks `choose(limit)` before each round and reports `observe(...)`
-after it: what was drafted, how much was accepted, and how long drafting,
+after it: what was drafted, how much was accepted (and of a tree, how much of its
+primary path: the chain the draft length is chosen for), and how long drafting,
 verification and the rest of the round (Python's work) took (None when sampling:
 there the draft length decides which random numbers each token uses, so a k that
 followed the clock would make one seed give different text from run to run; k then
@@ -33,7 +34,11 @@ class DraftLength(Protocol):
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
-    ) -> None: ...
+        on_primary: int | None = None,
+    ) -> None:
+        """`accepted`: the draft tokens the target took; `on_primary`: how many of them
+        lie on a tree's primary path (before its path left it; None: all of them)."""
+        ...
 
 
 class FixedLength:
@@ -58,6 +63,7 @@ class FixedLength:
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
+        on_primary: int | None = None,
     ) -> None:
         pass
 
@@ -305,6 +311,7 @@ class AutoLength:
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
+        on_primary: int | None = None,
     ) -> None:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
@@ -328,15 +335,19 @@ class AutoLength:
             self._timed_rounds += 1
             step = max(learn, 1.0 / self._timed_rounds)
             self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
-        self._after_probe(n, accepted)
+        # The estimates are the chain's: a tree's path that leaves its primary path
+        # counts as the chain's miss there. Counted whole, the tree's rescues made every
+        # position look surer and k deeper, and a tree's nodes go to width instead.
+        chain = accepted if on_primary is None else on_primary
+        self._after_probe(n, chain)
         # Tokens up to the first rejection were tested; the ones after it were not.
-        tested = min(n, accepted + 1)
+        tested = min(n, chain + 1)
         if draft.parents is None:  # a tree's confidences are per node, not position
             for i, confidence in enumerate(draft.confidences[:tested]):
-                self.calibration.record(confidence, i < accepted)
+                self.calibration.record(confidence, i < chain)
         for i in range(self.k_max):
             if i < tested:
-                hit = 1.0 if i < accepted else 0.0
+                hit = 1.0 if i < chain else 0.0
                 # A plain mean over the first rounds (with the prior), so that the
                 # start is quick; a decayed one once there are enough.
                 self.tested[i] += 1

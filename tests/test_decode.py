@@ -468,9 +468,9 @@ def test_only_greedy_rounds_are_timed_for_auto(
         seen: list[tuple[float | None, float | None]] = []
         observe = decoder.length.observe
 
-        def record(draft: Draft, accepted: int, *seconds: float | None) -> None:
+        def record(draft: Draft, accepted: int, *seconds: float | None, **kw: int | None) -> None:
             seen.append(seconds)
-            observe(draft, accepted, *seconds)
+            observe(draft, accepted, *seconds, **kw)
 
         decoder.length.observe = record  # type: ignore[method-assign]
         generate(engine, 24, decoder=decoder)

@@ -293,3 +293,16 @@ def test_rounds_a_drafter_had_nothing_for_teach_nothing() -> None:
         return policy.accept
 
     assert after_a_miss(20) == after_a_miss(0)
+
+
+def test_auto_learns_the_chain_from_a_trees_rounds() -> None:
+    """A tree whose path left its primary path at the first token rescued a round the
+    chain would have lost: the chain's estimates must see that miss, or k grows for
+    acceptance that only the tree's width bought."""
+    tree = Draft([1, 2, 3, 4], calls=2, parents=[-1, 0, -1, 2])  # primary 1, 2; beside: 3, 4
+    as_tree, as_chain = (AutoLength(CHEAP, 0, 16, uses_confidence=False) for _ in range(2))
+    for _ in range(50):
+        as_tree.observe(tree, 2, None, None, on_primary=0)  # the target took 3, 4
+        as_chain.observe(tree, 2, None, None)
+    assert as_tree.position_estimates(2)[0] < 0.1
+    assert as_chain.position_estimates(2)[0] > 0.9
