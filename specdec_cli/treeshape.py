@@ -50,7 +50,7 @@ class NodeOdds:
         if len(draft.confidences) != len(draft.tokens):
             return  # no probabilities to file them under (a lookup's draft)
         taken = {-1, *path}
-        has_first_child = set()
+        has_first_child: set[int] = set()
         for node, parent in enumerate(draft.parent_list()):
             if parent in taken and parent not in has_first_child:
                 self.first_choices.record(draft.confidences[node], node in taken)
