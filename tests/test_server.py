@@ -115,9 +115,11 @@ def plain_server(
     tmp_path_factory: pytest.TempPathFactory, target_model: Path
 ) -> Iterator[ServerProcess]:
     """N-gram lookup only, no key, no CORS, nobody may wait behind a generation, and a
-    long context: a generation that fills it lasts long enough to be interrupted."""
+    long context: a generation that fills it lasts long enough to be interrupted. Greedy
+    unless asked: the page sends no temperature, and a sampled reply (a random seed)
+    sometimes accepted no draft token at all."""
     args = ["-m", str(target_model), "-d", "ngram", "--queue", "0", "--chat-template", "chatml"]
-    args += ["-c", str(LONG_CONTEXT)]
+    args += ["-c", str(LONG_CONTEXT), "--temp", "0"]
     proc = start(tmp_path_factory.mktemp("serve-plain"), *args)
     yield proc
     assert proc.stop(signal.SIGINT) == 0, proc.output()  # Ctrl-C: as SIGTERM
