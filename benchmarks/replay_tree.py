@@ -143,8 +143,7 @@ def simulate(
         tokens = prompt + text[:done]
         draft = drafter.propose(tokens, k, rng, shape=shape) if k > 0 else Draft()
         path = accepted_path(draft, text[done:])
-        on_primary = len(path) - draft.beside_primary(path)
-        length.observe(draft, len(path), None, None, on_primary=on_primary)
+        length.observe(draft, len(path), None, None, beside=draft.beside_primary(path))
         if tree:
             tree.observe(draft, path)
         rounds.append(Round(draft.calls, len(draft.tokens) + 1, len(path) + 1))

@@ -138,6 +138,7 @@ class Decoder:
                 target.decode(batch, len(target.tokens), len(draft.tokens) + 1, parents)
                 path, next_token = self._verify(draft, rng, sampling)
                 n_accepted = len(path)
+                beside = draft.beside_primary(path)  # a chain would have missed these
                 # Keep the accepted path, drop the rest (its last token is in batch place
                 # len(unseen) - 1 + path[-1] + 1; the last unseen one if nothing was).
                 target.keep_branch(len(unseen) + (path[-1] if path else -1))
@@ -151,12 +152,7 @@ class Decoder:
                 else:  # k decides which random numbers go where: a seed must reproduce
                     draft_seconds = verify_seconds = other_seconds = None
                 length.observe(
-                    draft,
-                    n_accepted,
-                    draft_seconds,
-                    verify_seconds,
-                    other_seconds,
-                    on_primary=n_accepted - draft.beside_primary(path),
+                    draft, n_accepted, draft_seconds, verify_seconds, other_seconds, beside=beside
                 )
                 if self.tree:
                     self.tree.observe(draft, path)
@@ -166,7 +162,6 @@ class Decoder:
                 if eog is not None:
                     new = new[:eog]
                     stats.stop_reason = "eos"
-                beside = draft.beside_primary(path)
                 stats.record_round(
                     draft.source, len(draft.tokens), len(batch), n_accepted, len(new), beside
                 )

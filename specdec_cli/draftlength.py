@@ -34,10 +34,10 @@ class DraftLength(Protocol):
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
-        on_primary: int | None = None,
+        beside: int = 0,
     ) -> None:
-        """`accepted`: the draft tokens the target took; `on_primary`: how many of them
-        lie on a tree's primary path (before its path left it; None: all of them)."""
+        """`accepted`: the draft tokens the target took; `beside`: how many of them lie
+        on a tree's branches, past where its path left the primary path."""
         ...
 
 
@@ -63,7 +63,7 @@ class FixedLength:
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
-        on_primary: int | None = None,
+        beside: int = 0,
     ) -> None:
         pass
 
@@ -75,9 +75,8 @@ class Calibration:
     small model is often right while unsure), so it is calibrated on what the target
     actually accepted, in bands, starting from the confidence itself as a prior
     (PRIOR_WEIGHT tokens' worth). The bands are finest at the low end, where a small
-    draft of a 152k-262k vocabulary puts most of its first choices: on a random-weight
-    Qwen2 pair, those the draft gave 0.02-0.05 were accepted 27 % of the time, 0.1-0.2
-    70 %.
+    draft of a 152k-262k vocabulary puts most of its first choices, and where how often
+    they are accepted changes fastest (benchmarks/README.md, trees' first choices).
     """
 
     EDGES = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 0.9)
@@ -311,7 +310,7 @@ class AutoLength:
         draft_seconds: float | None,
         verify_seconds: float | None,
         other_seconds: float | None = None,
-        on_primary: int | None = None,
+        beside: int = 0,
     ) -> None:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
@@ -338,7 +337,7 @@ class AutoLength:
         # The estimates are the chain's: a tree's path that leaves its primary path
         # counts as the chain's miss there. Counted whole, the tree's rescues made every
         # position look surer and k deeper, and a tree's nodes go to width instead.
-        chain = accepted if on_primary is None else on_primary
+        chain = accepted - beside
         self._after_probe(n, chain)
         # Tokens up to the first rejection were tested; the ones after it were not.
         tested = min(n, chain + 1)

@@ -48,7 +48,7 @@ class NodeOdds:
         """Count the first choices the target was offered (their parent taken) and
         which of them it took."""
         if len(draft.confidences) != len(draft.tokens):
-            return  # no probabilities to file them under (a lookup's draft)
+            return  # no probabilities to file them under (a lookup's, or a chain no one asked)
         taken = {-1, *path}
         has_first_child: set[int] = set()
         for node, parent in enumerate(draft.parent_list()):

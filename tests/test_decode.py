@@ -468,7 +468,7 @@ def test_only_greedy_rounds_are_timed_for_auto(
         seen: list[tuple[float | None, float | None]] = []
         observe = decoder.length.observe
 
-        def record(draft: Draft, accepted: int, *seconds: float | None, **kw: int | None) -> None:
+        def record(draft: Draft, accepted: int, *seconds: float | None, **kw: int) -> None:
             seen.append(seconds)
             observe(draft, accepted, *seconds, **kw)
 

@@ -302,7 +302,7 @@ def test_auto_learns_the_chain_from_a_trees_rounds() -> None:
     tree = Draft([1, 2, 3, 4], calls=2, parents=[-1, 0, -1, 2])  # primary 1, 2; beside: 3, 4
     as_tree, as_chain = (AutoLength(CHEAP, 0, 16, uses_confidence=False) for _ in range(2))
     for _ in range(50):
-        as_tree.observe(tree, 2, None, None, on_primary=0)  # the target took 3, 4
+        as_tree.observe(tree, 2, None, None, beside=2)  # the target took 3, 4
         as_chain.observe(tree, 2, None, None)
     assert as_tree.position_estimates(2)[0] < 0.1
     assert as_chain.position_estimates(2)[0] > 0.9
