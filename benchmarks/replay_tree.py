@@ -61,6 +61,7 @@ MAX_K = DraftOptions().draft_max  # chains up to -k auto's longest draft (16)
 # and 64 tokens (16: all of the gpu curve's flat part)...
 TREE_NODES = (3, 7, 15, 31, 63)
 TREE_KS = (2, 3, 4, 5, 6, 8, 10)  # ...at these depths, and at the best chain's k
+LARGEST_TREE = max(AUTO_TREE_NODES, *TREE_NODES)
 
 
 def model_curve(verify: Iterable[tuple[int, float]]) -> Costs:
@@ -69,7 +70,7 @@ def model_curve(verify: Iterable[tuple[int, float]]) -> Costs:
     return Costs(target_seconds=1.0, draft_over_target=0.05, verify=dict(verify))
 
 
-BATCHES = range(1, max(AUTO_TREE_NODES, *TREE_NODES) + 2)
+BATCHES = range(1, LARGEST_TREE + 2)
 MODEL_CURVES = {
     "gpu": model_curve((n, 1.0 if n == 1 else 1.05 + 0.05 * max(0, n - 16)) for n in BATCHES),
     "steep": model_curve((n, 1.0 + 0.45 * (n - 1)) for n in BATCHES),
@@ -219,7 +220,7 @@ def judge(replay: Replay, curve: str, costs: Costs) -> dict[str, Any]:
 
 def describe(costs: Costs) -> str:
     """The curve in one line: the draft call, and verification at a few batch sizes."""
-    sizes = (2, 3, 4, 5, 9, 16, 17, AUTO_TREE_NODES + 1, max(TREE_NODES) + 1)
+    sizes = (2, 3, 4, 5, 9, 16, 17, AUTO_TREE_NODES + 1, LARGEST_TREE + 1)
     verify = ", ".join(f"{n}: {verify_cost(costs.verify, n):.2f}" for n in sizes)
     return f"draft call {costs.draft_over_target:.3f}, verify {verify}, rebuild {costs.switch:.2f}"
 
@@ -246,7 +247,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, help="write every figure here")
     args = parser.parse_args()
     # Contexts with room for the largest trees replayed, MAX_K deep.
-    drafting = DraftOptions(k=str(MAX_K), tree=str(max(AUTO_TREE_NODES, *TREE_NODES)))
+    drafting = DraftOptions(k=str(MAX_K), tree=str(LARGEST_TREE))
     options = replay_options(args.target, args.draft, args.t, drafting)
     with Engine(options) as engine:
         assert engine.draft_ctx is not None
