@@ -418,6 +418,11 @@ class NgramDrafter:
     name = "ngram"
     ctx = None
     OCCURRENCES = 8  # the most occurrences of an n-gram remembered (the latest)
+    # Its rounds where the text repeats itself verbatim (a loop, a copied block): the
+    # last VERBATIM tokens occurred before, in full. They are a source of their own,
+    # with a length policy of their own (see `sources`).
+    VERBATIM = 24
+    VERBATIM_SOURCE = "verbatim"
 
     def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
         self.n_min, self.n_max = n_min, n_max
@@ -442,7 +447,18 @@ class NgramDrafter:
         self._indexed = max(self._indexed, upto)
 
     def sources(self, tokens: list[int]) -> list[str]:
+        if self.verbatim(tokens, self.matches(tokens)):
+            return [self.VERBATIM_SOURCE, self.name]
         return [self.name]
+
+    def verbatim(self, tokens: list[int], ends: list[int]) -> bool:
+        """Whether the latest match (see matches) is the last VERBATIM tokens repeated:
+        then the text is going round a loop or copying a block, and what followed is
+        far likelier to follow again than after a short match, for far longer."""
+        if not ends or ends[-1] + 1 < self.VERBATIM:
+            return False
+        end = ends[-1]
+        return tokens[end + 1 - self.VERBATIM : end + 1] == tokens[-self.VERBATIM :]
 
     def matches(self, tokens: list[int]) -> list[int]:
         """Where the longest n-gram that ends `tokens` ended before (its latest
@@ -465,20 +481,35 @@ class NgramDrafter:
         source: str | None = None,
     ) -> Draft:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
-        return self.continuation(tokens, self.matches(tokens), k, shape)
+        return self.continuation(tokens, self.matches(tokens), k, shape, source)
 
     @staticmethod
-    def followed(tokens: list[int], ends: list[int], n: int) -> list[int]:
-        """The n tokens that followed the latest of `ends` (see matches): its guess."""
-        return tokens[ends[-1] + 1 : ends[-1] + 1 + n]
+    def followed(tokens: list[int], ends: list[int], n: int, loop: bool = False) -> list[int]:
+        """The n tokens that followed the latest of `ends` (see matches): its guess.
+        `loop`: past the end of the text, the tokens since that occurrence again, as if
+        the text went round the same loop (what llama.cpp's ngram-mod, looking up each
+        drafted token's n-gram in turn, finds in a verbatim repeat)."""
+        start = ends[-1] + 1
+        guess = tokens[start : start + n]
+        while loop and 0 < len(guess) < n:
+            guess += guess[: n - len(guess)]
+        return guess
 
     def continuation(
-        self, tokens: list[int], ends: list[int], k: int, shape: TreeShape | None = None
+        self,
+        tokens: list[int],
+        ends: list[int],
+        k: int,
+        shape: TreeShape | None = None,
+        source: str | None = None,
     ) -> Draft:
         """What followed the earlier `ends` of the n-gram that ends `tokens` (see
-        matches): up to k tokens deep, a chain or the tree `shape` allows."""
+        matches): up to k tokens deep, a chain or the tree `shape` allows. For the
+        verbatim source, a chain that goes round the loop (see followed)."""
         draft = Draft(source=self.name)
-        if ends and (shape is None or shape.is_chain):
+        if ends and source == self.VERBATIM_SOURCE:
+            draft.tokens = self.followed(tokens, ends, k, loop=True)
+        elif ends and (shape is None or shape.is_chain):
             draft.tokens = self.followed(tokens, ends, k)
         elif ends:
             continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
@@ -567,6 +598,8 @@ class LookupThenModel:
                 self._guesses.append((self.lookup.name, len(tokens), guess))
                 better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
                 order.insert(0 if better else 1, self.lookup.name)
+                if self.lookup.verbatim(tokens, ends):
+                    order.insert(0, self.lookup.VERBATIM_SOURCE)
             self._decided = (len(tokens), order, ends)
         return self._decided[1], self._decided[2]
 
@@ -593,8 +626,9 @@ class LookupThenModel:
         source: str | None = None,
     ) -> Draft:
         order, ends = self._decide(tokens)
-        if (source or order[0]) == self.lookup.name:
-            return self.lookup.continuation(tokens, ends, k, shape)
+        source = source or order[0]
+        if source in (self.lookup.name, self.lookup.VERBATIM_SOURCE):
+            return self.lookup.continuation(tokens, ends, k, shape, source)
         draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
         return draft

@@ -146,6 +146,7 @@ class AutoLength:
     # than it saves).
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
+    PRIOR = 0.8  # the acceptance a fresh run starts from
 
     def __init__(
         self,
@@ -155,7 +156,7 @@ class AutoLength:
         p_min: float = 0.0,
         uses_confidence: bool = True,
         decay: float = 0.93,
-        prior: float = 0.8,
+        prior: float = PRIOR,
     ) -> None:
         # Seconds per target token and per draft call follow the machine as it runs; the
         # relative costs of batch sizes keep their measured values, which were taken side

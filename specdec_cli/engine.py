@@ -42,6 +42,7 @@ from specdec_cli.treeshape import MAX_WIDTH, AutoTree, FixedTree, TreePolicy
 
 DEFAULT_MAX_CTX = 4096
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
+VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see NgramDrafter)
 # The most draft tokens --tree auto verifies in one round.
 AUTO_TREE_NODES = 32
 # Where -fa auto compares flash attention on and off: a few hundred tokens in, where
@@ -290,21 +291,29 @@ class Engine:
         # that copied text is accepted far longer than the model's guesses.
         own = kind == "model+ngram" and parse_k(k) is None
         lengths = {"ngram": self._draft_length("ngram", k)} if own else {}
+        if parse_k(k) is None and kind != "model":
+            # A verbatim repeat is accepted far longer still: it starts out trusted.
+            lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
         length = self._draft_length(kind, k)
         policy = self._tree_policy(tree, kind)
         return Decoder(
             self.target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
         )
 
-    def _draft_length(self, kind: str, k: str) -> DraftLength:
+    def _draft_length(self, kind: str, k: str, prior: float = AutoLength.PRIOR) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
-        with what this drafter costs."""
+        with what this drafter costs and starting from `prior` acceptance."""
         d = self.options.drafting
         n = parse_k(k)
         if n is not None:
             return FixedLength(n, d.p_min)
         return AutoLength(
-            self._costs_for(kind), d.draft_min, d.draft_max, d.p_min, uses_confidence=d.p_min > 0.0
+            self._costs_for(kind),
+            d.draft_min,
+            d.draft_max,
+            d.p_min,
+            uses_confidence=d.p_min > 0.0,
+            prior=prior,
         )
 
     def fits_tree(self, tree: str) -> bool:

@@ -28,11 +28,12 @@ from ggufgen import (
 )
 from scipy.stats import chi2_contingency, chisquare
 
+from specdec_cli.bench import BUILTIN_PROMPTS
 from specdec_cli.costmodel import Costs
 from specdec_cli.decode import Decoder
-from specdec_cli.drafters import Draft
+from specdec_cli.drafters import Draft, NgramDrafter
 from specdec_cli.draftlength import AutoLength, FixedLength
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions
+from specdec_cli.engine import VERBATIM_PRIOR, DraftOptions, Engine, EngineOptions
 from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.stats import Stats
@@ -247,6 +248,39 @@ def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
         assert lookup_length is not model_length
         assert lookup_length.draft_seconds == 0.0 < model_length.draft_seconds
         assert engine.make_decoder("model", "auto").lengths == {}
+
+
+def test_auto_gives_verbatim_repeats_a_policy_that_starts_trusted(
+    target_model: Path, draft_model: Path
+) -> None:
+    with open_engine(target_model, draft_model, "auto") as engine:
+        for kind in ("ngram", "model+ngram"):
+            verbatim = engine.make_decoder(kind, "auto").lengths[NgramDrafter.VERBATIM_SOURCE]
+            assert isinstance(verbatim, AutoLength)
+            assert verbatim.prior == VERBATIM_PRIOR > AutoLength.PRIOR
+            assert verbatim.draft_seconds == 0.0
+        assert engine.make_decoder("model+ngram", "3").lengths == {}
+
+
+def test_verbatim_repeats_are_drafted_long(
+    stories260k: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the list prompt stories260K's greedy text goes round a loop ("It is a shiny
+    camera."). Where verification is cheap, -k auto drafts the loop with the verbatim
+    policy, past the end of the text and longer than the lookup's own policy dares,
+    and the text is the target's own."""
+    pin_costs(monkeypatch, Costs(1e-4, 0.05, {n: 1.0 + 0.05 * (n - 1) for n in range(1, 66)}))
+    with open_engine(stories260k, n_ctx=512) as engine:
+        prompt = engine.tokenize(BUILTIN_PROMPTS["list"])
+        reference, _ = generate(engine, 200, prompt=prompt)
+    with open_engine(stories260k, "ngram", "auto", n_ctx=512) as engine:
+        decoder = engine.make_decoder("ngram", "auto")
+        out, _ = generate(engine, 200, decoder=decoder, prompt=prompt)
+    assert out == reference
+    verbatim, lookup = decoder.lengths[NgramDrafter.VERBATIM_SOURCE], decoder.length
+    assert isinstance(verbatim, AutoLength) and isinstance(lookup, AutoLength)
+    longest = max(i for i, n in enumerate(verbatim.tested) if n)
+    assert longest >= 12 and not any(lookup.tested[longest:])
 
 
 @pytest.mark.parametrize("own_draft", [False, True], ids=["test draft", "target as draft"])

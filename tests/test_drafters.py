@@ -97,3 +97,41 @@ def test_the_lookup_earns_its_turn_in_rounds_no_one_drafts() -> None:
             drafter.propose(tokens, 3, RNG)
         tokens = text[: len(tokens) + 1]
     assert asked[0] == "model" and asked[-1] == "ngram"
+
+
+LOOP = [7, 8, 9, 10, 11]  # a text going round: the same five tokens again and again
+
+
+def test_a_verbatim_repeat_is_a_source_of_its_own() -> None:
+    """The last VERBATIM tokens seen before, in full: a loop or a copied block, which the
+    decode loop drafts with a length policy of its own. A shorter repeat is a lookup."""
+    lookup = NgramDrafter(1, 4)
+    prefix = list(range(100, 130))
+    for tokens in (prefix + LOOP * 6, prefix + list(range(40)) + [1, 2, 3] + list(range(40))):
+        lookup.begin(tokens)
+        assert lookup.sources(tokens) == [NgramDrafter.VERBATIM_SOURCE, "ngram"]
+    short = prefix + list(range(30)) + [1] + list(range(23))  # 23 tokens repeat
+    lookup.begin(short)
+    assert lookup.sources(short) == ["ngram"]
+
+
+def test_verbatim_drafts_go_round_the_loop() -> None:
+    """Past the end of the text, a verbatim draft repeats the tokens since the match, as
+    the loop would; a plain lookup stops where the text does."""
+    lookup = NgramDrafter(1, 4)
+    tokens = list(range(100, 130)) + LOOP * 6 + LOOP[:2]
+    lookup.begin(tokens)
+    ahead = (LOOP[2:] + LOOP * 3)[:12]
+    assert lookup.propose(tokens, 12, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens == ahead
+    assert lookup.propose(tokens, 12, RNG).tokens == ahead[:5]
+
+
+def test_lookup_then_model_offers_a_verbatim_repeat_first() -> None:
+    drafter = LookupThenModel(NgramDrafter(3, 4), StandInModel(lambda t: [0] * 8))
+    tokens = list(range(100, 130)) + LOOP * 6
+    drafter.begin(tokens)
+    assert drafter.sources(tokens)[0] == NgramDrafter.VERBATIM_SOURCE
+    assert (
+        drafter.propose(tokens, 8, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens
+        == (LOOP * 2)[:8]
+    )
