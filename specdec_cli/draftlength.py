@@ -97,6 +97,122 @@ class Calibration:
         self.hits[band] += accepted
 
 
+class PositionAcceptance:
+    """The chance that draft token i is accepted once the ones before it were, per
+    position: running averages that forget old rounds (`decay`), so that they follow
+    the text, starting from `prior`."""
+
+    # The prior weighs as much as this many rounds while evidence builds up: less, and
+    # a few early misses send a fresh run to k=1 for a while.
+    PRIOR_ROUNDS = 3
+
+    def __init__(self, n: int, prior: float, decay: float) -> None:
+        self.prior, self.decay = prior, decay
+        self.accept = [prior] * n  # the running estimate per draft position
+        self.weight = [0.0] * n  # how recent the evidence behind each estimate is
+        self.tested = [0] * n  # rounds that tested each position
+        self._undrafted = 0  # rounds the policy chose not to draft since the last drafted
+
+    def estimates(self, n: int) -> list[float]:
+        """Acceptance per position; one not drafted lately leans on the one before."""
+        out, previous = [], self.prior
+        for i in range(n):
+            w = self.weight[i]
+            previous = w * self.accept[i] + (1.0 - w) * previous
+            out.append(previous)
+        return out
+
+    def record(self, drafted: int, accepted: int, planned: bool) -> None:
+        """A round's draft of `drafted` tokens, of which the first `accepted` were taken
+        (tokens up to the first rejection were tested, the ones after it were not).
+        `planned`: the policy chose to draft this round."""
+        fresh = self._weight_of_this_round(drafted, planned)
+        tested = min(drafted, accepted + 1)
+        for i in range(len(self.accept)):
+            if i < tested:
+                hit = 1.0 if i < accepted else 0.0
+                # A plain mean over the first rounds (with the prior), so that the
+                # start is quick; a decayed one once there are enough.
+                self.tested[i] += 1
+                step = max(fresh, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
+                self.accept[i] += step * (hit - self.accept[i])
+                self.weight[i] += step * (1.0 - self.weight[i])
+            elif drafted:  # drafted, but not this far: the evidence is a round older
+                self.weight[i] *= self.decay
+
+    def _weight_of_this_round(self, drafted: int, planned: bool) -> float:
+        """The least weight that what this round tested gets in the estimates.
+
+        Acceptance follows the text, and rounds the policy chose not to draft move the
+        text on too: the first round drafted after them weighs as much as they and it
+        would have. (Without this, probes accepted whole every 8 rounds could not bring
+        drafting back after a hard stretch.) A drafter that had nothing to offer (a
+        lookup without a match) says nothing of the text: such rounds do not count."""
+        weight = 1.0 - self.decay ** (self._undrafted + 1)
+        if drafted:
+            self._undrafted = 0
+        elif not planned:
+            self._undrafted += 1
+        return weight
+
+
+class RoundCosts:
+    """What a round costs, in seconds, on the machine as the rounds show it.
+
+    The relative costs of the batch sizes keep their measured values, which were taken
+    side by side (learning them one size at a time would mix in the machine's drift);
+    the seconds of a target token and of a draft call follow the machine as it runs,
+    and so does a round's time outside llama.cpp (Python's), the same for any k, which
+    favours longer drafts (left out, short ones looked cheaper than they ran).
+    """
+
+    def __init__(self, costs: Costs) -> None:
+        self.target_seconds = t = costs.target_seconds
+        self.draft_seconds = costs.draft_over_target * t
+        self.verify = costs.verify
+        self.switch = costs.switch
+        self.other_seconds = 0.0
+        self._timed_rounds = 0
+        self._last_batch = -1  # the last verification's batch size
+
+    def of(self, k: int, survive: float = 0.0) -> float:
+        """Seconds for a round drafting k tokens (without a graph rebuild), when the
+        previous round's draft was accepted whole with probability `survive`: then the
+        draft model has two tokens to catch up on instead of one."""
+        calls = k + survive if k else 0.0
+        drafting = calls * self.draft_seconds
+        return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
+
+    def modelled(self, calls: int, batch: int) -> tuple[float, float]:
+        """Drafting's and verification's seconds for a round that was not timed."""
+        return calls * self.draft_seconds, verify_cost(self.verify, batch) * self.target_seconds
+
+    def learn(
+        self,
+        calls: int,
+        batch: int,
+        seconds: tuple[float, float],
+        other_seconds: float | None,
+        rate: float,
+    ) -> None:
+        """A round's draft calls, batch size, and drafting's and verification's seconds;
+        `rate`: how fast acceptance is learnt (costs learn at a tenth of it: they drift
+        slowly, with the machine, and one noisy round must not move them much)."""
+        draft_seconds, verify_seconds = seconds
+        slow = rate / 10
+        if calls:
+            self.draft_seconds += slow * (draft_seconds / calls - self.draft_seconds)
+        if batch == self._last_batch:  # a pass at a new batch size also pays a rebuild
+            per_token = verify_seconds / verify_cost(self.verify, batch)
+            self.target_seconds += slow * (per_token - self.target_seconds)
+        self._last_batch = batch
+        if other_seconds is not None:
+            # A plain mean at first: a generation is too short to wait for a slow one.
+            self._timed_rounds += 1
+            step = max(rate, 1.0 / self._timed_rounds)
+            self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
+
+
 class AutoLength:
     """Draft as many tokens as maximise the expected tokens per second.
 
@@ -136,9 +252,6 @@ class AutoLength:
     # Nor does it grow by more than this in one step: the estimates past the drafted
     # positions are extrapolated, and a long jump on them chases a lucky streak.
     MAX_CLIMB = 2
-    # The prior weighs as much as this many rounds while evidence builds up: less, and
-    # a few early misses send a fresh run to k=1 for a while.
-    PRIOR_ROUNDS = 3
     # Not drafting, a probe every PROBE_GAP rounds; each probe that gets nothing
     # accepted doubles the gap, up to MAX_PROBE_GAP: a draft that never agrees then
     # costs a few percent at most. Success brings the gap back, but no more: whether
@@ -158,31 +271,16 @@ class AutoLength:
         decay: float = 0.93,
         prior: float = PRIOR,
     ) -> None:
-        # Seconds per target token and per draft call follow the machine as it runs; the
-        # relative costs of batch sizes keep their measured values, which were taken side
-        # by side (learning them one size at a time would mix in the machine's drift).
-        self.target_seconds = t = costs.target_seconds
-        self.draft_seconds = costs.draft_over_target * t
-        self.verify = costs.verify
-        self.switch = costs.switch
+        self.costs = RoundCosts(costs)
         # Never draft past the batch sizes whose cost is known.
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
         self.decay = decay
-        self.prior = prior
+        self.positions = PositionAcceptance(self.k_max, prior, decay)
         self.calibration = Calibration()
-        self.accept = [prior] * self.k_max  # running acceptance estimate per draft position
-        self.weight = [0.0] * self.k_max  # how recent the evidence behind each estimate is
-        self.tested = [0] * self.k_max  # rounds that tested each position
-        self.rate = 1.0 / t  # tokens per second; target-only to start
-        # A round's time outside llama.cpp: the same for any k, so it favours longer
-        # drafts (left out, short ones looked cheaper than they ran). Learned as it runs.
-        self.other_seconds = 0.0
-        self._timed_rounds = 0
-        self._last_batch = -1  # the last verification's batch size
+        self.rate = 1.0 / costs.target_seconds  # tokens per second; target-only to start
         self._idle = 0  # rounds without a draft since the last probe
-        self._undrafted = 0  # rounds it chose not to draft since the last drafted
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
@@ -207,37 +305,19 @@ class AutoLength:
         the others: a climb from 1 to 3 would stall at a never-best 2."""
         return sorted({self._best_at(i / 100) for i in range(100)})
 
-    def position_estimates(self, n: int) -> list[float]:
-        """Acceptance per position; one not drafted lately leans on the one before."""
-        out, previous = [], self.prior
-        for i in range(n):
-            w = self.weight[i]
-            previous = w * self.accept[i] + (1.0 - w) * previous
-            out.append(previous)
-        return out
-
-    def cost(self, k: int, survive: float = 0.0) -> float:
-        """Seconds for a round drafting k tokens (without a graph rebuild), when the
-        previous round's draft was accepted whole with probability `survive`: then the
-        draft model has two tokens to catch up on instead of one. Python's share of a
-        round is in it too."""
-        calls = k + survive if k else 0.0
-        drafting = calls * self.draft_seconds
-        return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
-
     def expected_rates(self, estimates: list[float], top: int) -> list[float]:
         """Expected tokens per second of k-token drafts, for every k from 0 to `top`."""
         survive = expected = 1.0
-        rates = [expected / self.cost(0)]
+        rates = [expected / self.costs.of(0)]
         for k, a in enumerate(estimates[:top], start=1):
             survive *= a
             expected += survive
-            rates.append(expected / self.cost(k, survive))
+            rates.append(expected / self.costs.of(k, survive))
         return rates
 
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)
-        estimates = self.position_estimates(top)
+        estimates = self.positions.estimates(top)
         k = self._step(estimates, min(self._k, top), top)
         if top >= self._k:  # a round cut short by -n or the context is no choice
             self._k = k
@@ -274,8 +354,9 @@ class AutoLength:
         rates = self.expected_rates(estimates, top)
         now = rates[k]
         rate, best = max((rates[n], n) for n in rungs)
-        gain = (rate - now) * self.cost(best)  # tokens a round
-        rebuilds = 2 * self.switch * self.target_seconds * now  # tokens two rebuilds cost
+        costs = self.costs
+        gain = (rate - now) * costs.of(best)  # tokens a round
+        rebuilds = 2 * costs.switch * costs.target_seconds * now  # tokens two rebuilds cost
         worth_it = rate > now * (1.0 + self.MIN_GAIN) and gain * self.PAYBACK_ROUNDS > rebuilds
         if not worth_it or best == k:
             return k
@@ -296,9 +377,10 @@ class AutoLength:
                 chain *= later
                 rest += chain
             lost = self._survive * a * rest
-            saved = (self._plan - i) * self.draft_seconds + (
-                self.verify[self._plan + 1] - self.verify[i + 1] - 2 * self.switch
-            ) * self.target_seconds
+            c = self.costs
+            saved = (self._plan - i) * c.draft_seconds + (
+                c.verify[self._plan + 1] - c.verify[i + 1] - 2 * c.switch
+            ) * c.target_seconds
             if lost < self.rate * saved:
                 return False
         self._survive *= a
@@ -316,61 +398,21 @@ class AutoLength:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
         if draft_seconds is None or verify_seconds is None:  # untimed: the modelled costs
-            draft_seconds = draft.calls * self.draft_seconds
-            verify_seconds = verify_cost(self.verify, batch) * self.target_seconds
+            seconds = self.costs.modelled(draft.calls, batch)
+        else:
+            seconds = (draft_seconds, verify_seconds)
         learn = 1.0 - self.decay
-        fresh = self._weight_of_this_round(n)
-        # Costs drift slowly (the machine), acceptance quickly (the text): costs learn at
-        # a tenth of the rate, so that one noisy round does not move them much.
-        slow = learn / 10
-        self.rate += learn * ((accepted + 1) / (draft_seconds + verify_seconds) - self.rate)
-        if draft.calls:
-            self.draft_seconds += slow * (draft_seconds / draft.calls - self.draft_seconds)
-        if batch == self._last_batch:  # a pass at a new batch size also pays a rebuild
-            per_token = verify_seconds / verify_cost(self.verify, batch)
-            self.target_seconds += slow * (per_token - self.target_seconds)
-        self._last_batch = batch
-        if other_seconds is not None:
-            # A plain mean at first: a generation is too short to wait for a slow one.
-            self._timed_rounds += 1
-            step = max(learn, 1.0 / self._timed_rounds)
-            self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
+        self.rate += learn * ((accepted + 1) / sum(seconds) - self.rate)
+        self.costs.learn(draft.calls, batch, seconds, other_seconds, learn)
         # The estimates are the chain's: a tree's path that leaves its primary path
         # counts as the chain's miss there. Counted whole, the tree's rescues made every
         # position look surer and k deeper, and a tree's nodes go to width instead.
         chain = accepted - beside
         self._after_probe(n, chain)
-        # Tokens up to the first rejection were tested; the ones after it were not.
-        tested = min(n, chain + 1)
         if draft.parents is None:  # a tree's confidences are per node, not position
-            for i, confidence in enumerate(draft.confidences[:tested]):
+            for i, confidence in enumerate(draft.confidences[: min(n, chain + 1)]):
                 self.calibration.record(confidence, i < chain)
-        for i in range(self.k_max):
-            if i < tested:
-                hit = 1.0 if i < chain else 0.0
-                # A plain mean over the first rounds (with the prior), so that the
-                # start is quick; a decayed one once there are enough.
-                self.tested[i] += 1
-                step = max(fresh, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
-                self.accept[i] += step * (hit - self.accept[i])
-                self.weight[i] += step * (1.0 - self.weight[i])
-            elif n:  # drafted, but not this far: the evidence is a round older
-                self.weight[i] *= self.decay
-
-    def _weight_of_this_round(self, n: int) -> float:
-        """The least weight that what this round tested gets in the acceptance estimates.
-
-        Acceptance follows the text, and rounds this policy chose not to draft move the
-        text on too: the first round drafted after them weighs as much as they and it
-        would have. (Without this, probes accepted whole every 8 rounds could not bring
-        drafting back after a hard stretch.) A drafter that had nothing to offer (a
-        lookup without a match) says nothing of the text: such rounds do not count."""
-        weight = 1.0 - self.decay ** (self._undrafted + 1)
-        if n:
-            self._undrafted = 0
-        elif not self._plan:
-            self._undrafted += 1
-        return weight
+        self.positions.record(n, chain, planned=self._plan > 0)
 
     def _after_probe(self, n: int, accepted: int) -> None:
         if self._probing:

@@ -246,7 +246,7 @@ def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
         model_length, lookup_length = decoder.length, decoder.lengths["ngram"]
         assert isinstance(model_length, AutoLength) and isinstance(lookup_length, AutoLength)
         assert lookup_length is not model_length
-        assert lookup_length.draft_seconds == 0.0 < model_length.draft_seconds
+        assert lookup_length.costs.draft_seconds == 0.0 < model_length.costs.draft_seconds
         assert engine.make_decoder("model", "auto").lengths == {}
 
 
@@ -257,8 +257,8 @@ def test_auto_gives_verbatim_repeats_a_policy_that_starts_trusted(
         for kind in ("ngram", "model+ngram"):
             verbatim = engine.make_decoder(kind, "auto").lengths[NgramDrafter.VERBATIM_SOURCE]
             assert isinstance(verbatim, AutoLength)
-            assert verbatim.prior == VERBATIM_PRIOR > AutoLength.PRIOR
-            assert verbatim.draft_seconds == 0.0
+            assert verbatim.positions.prior == VERBATIM_PRIOR > AutoLength.PRIOR
+            assert verbatim.costs.draft_seconds == 0.0
         assert engine.make_decoder("model+ngram", "3").lengths == {}
 
 
@@ -279,8 +279,8 @@ def test_verbatim_repeats_are_drafted_long(
     assert out == reference
     verbatim, lookup = decoder.lengths[NgramDrafter.VERBATIM_SOURCE], decoder.length
     assert isinstance(verbatim, AutoLength) and isinstance(lookup, AutoLength)
-    longest = max(i for i, n in enumerate(verbatim.tested) if n)
-    assert longest >= 12 and not any(lookup.tested[longest:])
+    longest = max(i for i, n in enumerate(verbatim.positions.tested) if n)
+    assert longest >= 12 and not any(lookup.positions.tested[longest:])
 
 
 @pytest.mark.parametrize("own_draft", [False, True], ids=["test draft", "target as draft"])

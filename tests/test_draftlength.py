@@ -290,7 +290,7 @@ def test_rounds_a_drafter_had_nothing_for_teach_nothing() -> None:
             policy.observe(Draft(), 0, 0.0, CHEAP.verify[1] * CHEAP.target_seconds)
         policy.choose(100)
         policy.observe(draft_of(4), 0, 0.0, CHEAP.verify[5] * CHEAP.target_seconds)
-        return policy.accept
+        return policy.positions.accept
 
     assert after_a_miss(20) == after_a_miss(0)
 
@@ -304,5 +304,5 @@ def test_auto_learns_the_chain_from_a_trees_rounds() -> None:
     for _ in range(50):
         as_tree.observe(tree, 2, None, None, beside=2)  # the target took 3, 4
         as_chain.observe(tree, 2, None, None)
-    assert as_tree.position_estimates(2)[0] < 0.1
-    assert as_chain.position_estimates(2)[0] > 0.9
+    assert as_tree.positions.estimates(2)[0] < 0.1
+    assert as_chain.positions.estimates(2)[0] > 0.9
