@@ -543,14 +543,17 @@ class _Batch:
         self.seq_id = np.zeros((n_tokens, n_seq_max), np.int32)
         self.logits = np.zeros(n_tokens, np.int8)
         int_p = ctypes.POINTER(ctypes.c_int32)
-        self._rows = (int_p * n_tokens)(*(row.ctypes.data_as(int_p) for row in self.seq_id))
+        # The address of each row of seq_id, worked out at once: a ctypes pointer per row
+        # is thousands of objects made at every context's creation.
+        rows = np.arange(n_tokens, dtype=np.uintp) * self.seq_id.strides[0]
+        self._rows = rows + np.uintp(self.seq_id.ctypes.data)
         self.struct = llama_cpp.llama_batch(
             n_tokens=0,
             token=self.token.ctypes.data_as(int_p),
             embd=None,
             pos=self.pos.ctypes.data_as(int_p),
             n_seq_id=self.n_seq_id.ctypes.data_as(int_p),
-            seq_id=self._rows,
+            seq_id=ctypes.cast(self._rows.ctypes.data, ctypes.POINTER(int_p)),
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
