@@ -430,12 +430,14 @@ class NgramDrafter:
         # n-gram -> end indices of its latest occurrences, the latest last
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this index are in _ends
+        self._matched: tuple[int, list[int]] = (-1, [])  # (text length, its matches)
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         if sampling is not None:
             self.greedy = sampling.greedy
         self._ends = {}
         self._indexed = 0
+        self._matched = (-1, [])
 
     def _index(self, tokens: list[int], upto: int) -> None:
         for end in range(self._indexed, upto):
@@ -462,7 +464,13 @@ class NgramDrafter:
 
     def matches(self, tokens: list[int]) -> list[int]:
         """Where the longest n-gram that ends `tokens` ended before (its latest
-        occurrences, the latest last); [] when none did."""
+        occurrences, the latest last); [] when none did. Looked up once a round (the
+        text only grows): who drafts and the draft both ask."""
+        if self._matched[0] != len(tokens):
+            self._matched = (len(tokens), self._look_up(tokens))
+        return self._matched[1]
+
+    def _look_up(self, tokens: list[int]) -> list[int]:
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):

@@ -88,8 +88,8 @@ class Calibration:
 
     def __call__(self, confidence: float) -> float:
         band = bisect(self.EDGES, confidence)
-        weight = self.PRIOR_WEIGHT
-        return (self.hits[band] + weight * confidence) / (self.seen[band] + weight)
+        prior = self.PRIOR_WEIGHT
+        return (self.hits[band] + prior * confidence) / (self.seen[band] + prior)
 
     def record(self, confidence: float, accepted: bool) -> None:
         band = bisect(self.EDGES, confidence)
@@ -276,7 +276,7 @@ class AutoLength:
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
-        self.decay = decay
+        self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
         self.positions = PositionAcceptance(self.k_max, prior, decay)
         self.calibration = Calibration()
         self.rate = 1.0 / costs.target_seconds  # tokens per second; target-only to start
@@ -401,9 +401,8 @@ class AutoLength:
             seconds = self.costs.modelled(draft.calls, batch)
         else:
             seconds = (draft_seconds, verify_seconds)
-        learn = 1.0 - self.decay
-        self.rate += learn * ((accepted + 1) / sum(seconds) - self.rate)
-        self.costs.learn(draft.calls, batch, seconds, other_seconds, learn)
+        self.rate += self.learn * ((accepted + 1) / sum(seconds) - self.rate)
+        self.costs.learn(draft.calls, batch, seconds, other_seconds, self.learn)
         # The estimates are the chain's: a tree's path that leaves its primary path
         # counts as the chain's miss there. Counted whole, the tree's rescues made every
         # position look surer and k deeper, and a tree's nodes go to width instead.

@@ -289,9 +289,10 @@ class Engine:
             )
         # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.
-        own = kind == "model+ngram" and parse_k(k) is None
+        auto = parse_k(k) is None
+        own = kind == "model+ngram" and auto
         lengths = {"ngram": self._draft_length("ngram", k)} if own else {}
-        if parse_k(k) is None and kind != "model":
+        if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
         length = self._draft_length(kind, k)
