@@ -97,8 +97,9 @@ class Decoder:
         sampling = sampling or self.sampling
         if drafter:
             drafter.begin(prompt, sampling)
-        if self.tree:
-            self.tree.begin()
+        for policy in (self.length, *self.lengths.values(), self.tree):
+            if policy:
+                policy.begin()
         stats.prompt_tokens = len(prompt)
         contexts = [target, draft_ctx] if draft_ctx else [target]
         verify_before = target.decode_seconds

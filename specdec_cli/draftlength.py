@@ -23,6 +23,12 @@ from specdec_cli.drafters import Draft
 class DraftLength(Protocol):
     uses_confidence: bool  # whether keep_drafting needs the draft's top probability
 
+    def begin(self) -> None:
+        """A new generation: what the policy learnt is this generation's alone, so that
+        a seed gives the same text in any generation (the draft lengths decide which
+        random numbers each token uses)."""
+        ...
+
     def choose(self, limit: int) -> int: ...
 
     def keep_drafting(self, i: int, confidence: float) -> bool: ...
@@ -49,6 +55,9 @@ class FixedLength:
         self.k = k
         self.p_min = p_min
         self.uses_confidence = p_min > 0.0
+
+    def begin(self) -> None:
+        pass
 
     def choose(self, limit: int) -> int:
         return max(0, min(self.k, limit))
@@ -271,15 +280,23 @@ class AutoLength:
         decay: float = 0.93,
         prior: float = PRIOR,
     ) -> None:
-        self.costs = RoundCosts(costs)
+        self.measured = costs
         # Never draft past the batch sizes whose cost is known.
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
+        self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
-        self.positions = PositionAcceptance(self.k_max, prior, decay)
+        self.begin()
+
+    def begin(self) -> None:
+        """Everything learnt starts again from the measured costs and the prior: the
+        costs too, as a greedy generation learns them from the clock, and a sampled
+        generation after it must draft as it would alone."""
+        self.costs = RoundCosts(self.measured)
+        self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
         self.calibration = Calibration()
-        self.rate = 1.0 / costs.target_seconds  # tokens per second; target-only to start
+        self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
         self._idle = 0  # rounds without a draft since the last probe
         self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
         self._probing = False
@@ -293,7 +310,7 @@ class AutoLength:
         # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
         self._first_rung = min([n for n in self.ladder if n > 0], default=1)
         # The steady choice; the first guess is the best k under the prior alone.
-        self._k = self._best_at(prior)
+        self._k = self._best_at(self.prior)
 
     def _best_at(self, acceptance: float) -> int:
         """The best k if every draft token were accepted at this rate."""

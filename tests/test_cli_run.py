@@ -352,6 +352,27 @@ def test_each_prompts_record_reruns_alone(target_model: Path, tmp_path: Path) ->
         assert json.loads(alone.stdout)["text"] == record["text"]
 
 
+def test_each_prompts_record_reruns_alone_with_what_auto_learns(
+    stories260k: Path, tmp_path: Path
+) -> None:
+    """-k auto, the lookup beside a model, sampled: what a generation learns (acceptance,
+    calibration, who drafts) is its own, so a later line drafts as it would alone."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Once upon a time\nThe little dog\nLily and Tom went to the park\n")
+    model = ["-m", str(stories260k), "-d", str(stories260k), "-t", "1"]
+    sampled = ["-n", "24", "--temp", "1", "-k", "auto"]
+    result = specdec("run", *model, "--prompts", str(prompts), "--seed", "5", *sampled)
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(records) == 3, result.stderr
+    for record in records:
+        alone = specdec(
+            "run", *model, "-p", record["prompt"], "--seed", str(record["seed"]), *sampled,
+            "--json",
+        )  # fmt: skip
+        rerun = json.loads(alone.stdout)
+        assert (rerun["text"], rerun["k_histogram"]) == (record["text"], record["k_histogram"])
+
+
 def test_picked_seed_is_in_the_summary(target_model: Path) -> None:
     args = ["run", "-m", str(target_model), "-p", "Once", "-n", "12", "--temp", "1", "-t", "1"]
     first = specdec(*args, "--seed", "-1")
