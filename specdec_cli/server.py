@@ -63,6 +63,8 @@ MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
 GRACEFUL_SHUTDOWN_SECONDS = 10  # in-flight streams stop within a round; this is a backstop
 PUBLIC_PATHS = ("/health", "/")  # no API key: the page holds no data, it asks for the key
+# The chat format for a model without a template of its own, as llama-server falls back.
+FALLBACK_CHAT_TEMPLATE = "chatml"
 
 
 # --- generations: one at a time, in the worker thread --------------------------------
@@ -140,6 +142,7 @@ class Service:
         self.stopping = threading.Event()  # shutting down: generations end now
         self.metrics = Metrics()
         self._decoders: dict[Speculation, Decoder] = {}
+        self.chat_template = options.chat_template  # None: the model's own
 
     # In the worker thread.
 
@@ -149,6 +152,14 @@ class Service:
         engine = Engine(self.engine_options, notify=note)
         for message in engine.warnings:
             warn(message)
+        if self.chat_template is None and engine.model.chat_template() is None:
+            # Chat clients (Open WebUI) use nothing but the chat endpoint.
+            self.chat_template = FALLBACK_CHAT_TEMPLATE
+            warn(
+                f"{engine.model.path.name} has no chat template: chat requests are formatted "
+                f"as {FALLBACK_CHAT_TEMPLATE}, as llama-server does; name its format with "
+                "--chat-template (e.g. gemma, llama3)"
+            )
         if engine.decoder.drafter is not None:
             engine.costs()
         return engine
@@ -258,7 +269,7 @@ class Service:
         assert self.engine is not None
         model = self.engine.model
         if request.messages is not None:
-            template = self.options.chat_template
+            template = self.chat_template
             tokens = chat_tokens(model, render(model, list(request.messages), template))
         elif request.tokens is not None:
             tokens = list(request.tokens)
