@@ -30,7 +30,7 @@ from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 from specdec_cli import backend, machine
 from specdec_cli.costmodel import Costs
 
-FORMAT = 1  # bump when the meaning of a measurement changes
+FORMAT = 2  # bump when the meaning of a measurement changes
 
 
 def cache_dir() -> Path:

@@ -86,6 +86,9 @@ class Costs:
         }
 
 
+SETTLE = 3  # passes of one batch shape, the last timed as its steady cost
+
+
 def measure_costs(
     target: Context,
     draft: Context | None,
@@ -100,9 +103,11 @@ def measure_costs(
     caches are left empty. Each measurement is paired with a one-token target pass
     just before it and taken as a ratio to it: the machine's speed drifts by tens of
     percent within seconds, and a ratio of two neighbouring timings cancels most of
-    that. Each batch is decoded twice in a row: the first pass pays for the change of
-    batch shape, the second is the steady cost. The order rotates between
-    repetitions; medians, after one untimed round.
+    that. Each batch is decoded SETTLE times in a row: the first pass pays for the
+    change of batch shape, the last is the steady cost (on a GPU, llama.cpp's CUDA
+    backend captures a graph on the second pass of a new shape: timed second, a
+    one-token pass cost 6-9 ms where it runs at 1.4, and every batch looked nearly
+    free). The order rotates between repetitions; medians, after one untimed round.
     """
     sizes = sorted({1, *sizes})
     probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
@@ -110,23 +115,14 @@ def measure_costs(
     for ctx, _ in [(target, 1), *probes]:
         _fill(ctx, position)
 
-    def twice(ctx: Context, n: int) -> tuple[float, float]:
-        """Seconds of the first (shape changed) and the second (steady) pass."""
-        times = []
-        for _ in range(2):
-            before = ctx.decode_seconds
-            _decode_and_drop(ctx, n, position)
-            times.append(ctx.decode_seconds - before)
-        return times[0], times[1]
-
     one: list[float] = []
     ratio: dict[int, list[float]] = {i: [] for i in range(len(probes))}
     rebuild: list[float] = []  # the extra cost of a first pass, in one-token passes
     for rep in range(reps + 1):
         for i in np.roll(np.arange(len(probes)), rep):
             ctx, n = probes[i]
-            _, base = twice(target, 1)
-            first, steady = twice(ctx, n)
+            _, base = _settled(target, 1, position)
+            first, steady = _settled(ctx, n, position)
             if rep:
                 one.append(base)
                 ratio[i].append(steady / base)
@@ -147,23 +143,17 @@ FLASH_ATTN_BATCHES = (1, 4)  # a drafting step, and a typical verification batch
 
 def time_decodes(contexts: Mapping[str, Context], position: int, reps: int = 5) -> dict[str, float]:
     """Seconds each context takes, at `position` tokens into its cache, to decode one
-    batch of each size in FLASH_ATTN_BATCHES (summed). Each size is decoded twice and
-    the second, steady pass is timed; the contexts take turns, in alternating order,
+    batch of each size in FLASH_ATTN_BATCHES (summed). Each size is decoded SETTLE
+    times and the last, steady pass is timed; the contexts take turns, in alternating order,
     so that the machine's drift hits them alike; medians, after one untimed round."""
     names = list(contexts)
     for ctx in contexts.values():
         _fill(ctx, position)
 
-    def steady(ctx: Context, n: int) -> float:
-        for _ in range(2):  # the first pass pays for the change of batch shape
-            before = ctx.decode_seconds
-            _decode_and_drop(ctx, n, position)
-        return ctx.decode_seconds - before
-
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps + 1):
         for name in names if rep % 2 else names[::-1]:
-            seconds = sum(steady(contexts[name], n) for n in FLASH_ATTN_BATCHES)
+            seconds = sum(_settled(contexts[name], n, position)[1] for n in FLASH_ATTN_BATCHES)
             if rep:
                 samples[name].append(seconds)
     for ctx in contexts.values():
@@ -185,6 +175,17 @@ def faster_flash_attn(seconds: Mapping[str, float]) -> str:
 def _fill(ctx: Context, position: int) -> None:
     ctx.trim(0)
     ctx.decode([_filler(ctx)] * position, 0)
+
+
+def _settled(ctx: Context, n: int, position: int) -> tuple[float, float]:
+    """Seconds of the first pass of an n-token batch (the shape changed) and of the
+    last of SETTLE passes (the steady cost)."""
+    times = []
+    for _ in range(SETTLE):
+        before = ctx.decode_seconds
+        _decode_and_drop(ctx, n, position)
+        times.append(ctx.decode_seconds - before)
+    return times[0], times[-1]
 
 
 def _decode_and_drop(ctx: Context, n: int, position: int) -> None:
