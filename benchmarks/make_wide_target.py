@@ -23,35 +23,17 @@ from pathlib import Path
 
 import llama_cpp
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValue, GGUFValueType
+from gguf import GGUFValue, GGUFValueType
 
 REPO = Path(__file__).resolve().parents[1]
 # The random-layer maker and the GGUF writer live with the test-model generator.
 sys.path.insert(0, str(REPO / "tests"))
-from ggufgen import ffn_weights, llama_block, write_gguf  # noqa: E402
+from ggufgen import ffn_weights, llama_block, read_f32_model, write_gguf  # noqa: E402
 
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K.gguf"
 DEFAULT_OUT = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
 DEFAULT_EPS = 0.10
 Q8_0_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 values
-
-
-def read_model(path: Path) -> tuple[dict[str, GGUFValue], dict[str, np.ndarray]]:
-    """All metadata (minus the GGUF header counts) and all tensors of an F32 GGUF file."""
-    reader = GGUFReader(path)
-    metadata: dict[str, GGUFValue] = {}
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF."):  # version and counts: the writer makes its own
-            continue
-        main_type = field.types[0]
-        sub_type = field.types[-1] if main_type == GGUFValueType.ARRAY else None
-        metadata[field.name] = GGUFValue(field.contents(), main_type, sub_type)
-    tensors: dict[str, np.ndarray] = {}
-    for tensor in reader.tensors:
-        if tensor.tensor_type != GGMLQuantizationType.F32:
-            sys.exit(f"{path}: {tensor.name} is {tensor.tensor_type.name}; need an all-F32 model")
-        tensors[tensor.name] = np.array(tensor.data)
-    return metadata, tensors
 
 
 def widen(
@@ -123,7 +105,7 @@ def main() -> None:
 
     start = time.perf_counter()
     metadata, tensors = widen(
-        *read_model(args.model), args.ffn, args.extra_layers, args.eps, args.seed
+        *read_f32_model(args.model), args.ffn, args.extra_layers, args.eps, args.seed
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     f32 = args.out.with_name(args.out.stem + ".f32.gguf")

@@ -229,6 +229,11 @@ def chat_tokens(model: Model, text: str) -> list[int]:
     return tokens
 
 
-def prompt_tokens(model: Model, prompt: str | None, options: ChatOptions) -> list[int]:
-    """The tokens of the prompt wrapped in the chat format `options` describe."""
-    return chat_tokens(model, render(model, conversation(prompt, options), options.template))
+def own_chat_tokens(model: Model, messages: list[Message]) -> list[int]:
+    """The conversation in the model's own chat format, for a draft of another vocabulary
+    (the target's format may be markers the draft has no tokens for). A draft without a
+    format it can use gets the messages' text, a paragraph each: it needs the words."""
+    try:
+        return chat_tokens(model, render(model, messages))
+    except UserError:
+        return model.tokenize("\n\n".join(m.content for m in messages))

@@ -631,9 +631,11 @@ def check(
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Check that a draft model can serve a target: same vocabulary and special tokens.
+    """Check that a draft model can serve a target, and how: through the target's own
+    vocabulary, or with its drafts translated (another tokenizer).
 
-    Prints every reason they cannot. Exit code 0 if they can be paired, 1 if not.
+    Prints every reason they cannot, and why drafts would be translated. Exit code 0 if
+    they can be paired, 1 if not.
 
     Example: specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
     """
@@ -643,7 +645,10 @@ def check(
     target_model = modelinfo.load_model(model, config)
     draft_model = modelinfo.load_model(draft, config)
     report = check_pair(target_model, draft_model)
-    modelinfo.print_check(target_model, draft_model, report, as_json=as_json)
+    shared = None
+    if report.ok and report.translated:
+        shared = modelinfo.shared_token_texts(target_model, draft_model)
+    modelinfo.print_check(target_model, draft_model, report, as_json=as_json, shared=shared)
     if not report.ok:
         raise typer.Exit(1)
 

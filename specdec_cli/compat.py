@@ -1,11 +1,14 @@
-"""Can a draft model be paired with a target model for speculative decoding?
+"""Can a draft model be paired with a target model for speculative decoding, and how?
 
-The rules are llama.cpp's common_speculative_are_compatible (common/speculative.cpp):
-the same vocabulary type, the same add-BOS/add-EOS flags and, where a flag is set, the
-same token for it, sizes within 128 tokens, and the same token text from id 5 on. Where
-it refuses, specdec refuses. The differences it lets through are reported as warnings:
+Any two complete models can: where their vocabularies differ, drafts are translated
+(see translate.py). Whether they share one follows llama.cpp's
+common_speculative_are_compatible (common/speculative.cpp): the same vocabulary type,
+the same add-BOS/add-EOS flags and, where a flag is set, the same token for it, sizes
+within 128 tokens, and the same token text from id 5 on. Where it refuses, specdec
+translates, and says why. The differences it lets through are reported as warnings:
 the target checks every drafted token and decides when generation ends, so they can only
-cost acceptance, never change the output.
+cost acceptance, never change the output. A file without a model or a vocabulary is
+refused.
 
 The tokenizer facts come from llama.cpp itself (a vocabulary-only load); the token texts
 from the file's header, which is what llama.cpp loads them from (tokenizer.ggml.tokens).
@@ -21,7 +24,6 @@ from specdec_cli.errors import UserError
 from specdec_cli.gguf_meta import GGUFFile, read_gguf
 from specdec_cli.llama import VocabInfo, read_vocab
 
-SAME_FAMILY = "the draft must use the target's tokenizer (same model family)"
 MAX_SIZE_DIFFERENCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE
 FIRST_CHECKED_ID = 5  # llama.cpp's SPEC_VOCAB_CHECK_START_TOKEN_ID
 _TOKEN_TYPE_UNUSED = 5  # tokenizer.ggml.token_type value of padding placeholders
@@ -67,17 +69,29 @@ def facts_of(file: GGUFFile, need_vocab: bool = True) -> ModelFacts:
 
 @dataclass
 class CompatReport:
-    """Problems make the pair unusable; warnings are worth knowing but not blocking."""
+    """Problems make the pair unusable; differences between the vocabularies make its
+    drafts translated; warnings are worth knowing but not blocking."""
 
     problems: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    differences: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def translated(self) -> bool:
+        return bool(self.differences)
+
     def to_dict(self) -> dict[str, object]:
-        return {"ok": self.ok, "problems": list(self.problems), "warnings": list(self.warnings)}
+        return {
+            "ok": self.ok,
+            "vocabulary": "translated" if self.translated else "same",
+            "problems": list(self.problems),
+            "differences": list(self.differences),
+            "warnings": list(self.warnings),
+        }
 
 
 def vocab_only_message(file: GGUFFile) -> str:
@@ -101,7 +115,7 @@ def _check_vocab_size(target: ModelFacts, draft: ModelFacts, report: CompatRepor
     if difference > MAX_SIZE_DIFFERENCE:
         report.problems.append(
             f"vocabulary sizes differ by {difference} tokens ({sizes}), more than the "
-            f"{MAX_SIZE_DIFFERENCE} llama.cpp allows; {SAME_FAMILY}"
+            f"{MAX_SIZE_DIFFERENCE} llama.cpp allows"
         )
         return
     bigger_name, bigger = ("target", target.file) if n_target > n_draft else ("draft", draft.file)
@@ -141,7 +155,7 @@ def _check_token_texts(target: ModelFacts, draft: ModelFacts, report: CompatRepo
         report.problems.append(
             f"token texts differ at {len(checked)} of {shared - FIRST_CHECKED_ID} ids from "
             f"{FIRST_CHECKED_ID} on (target vs draft, e.g. "
-            f"{_examples(t_tokens, d_tokens, checked)}); {SAME_FAMILY}"
+            f"{_examples(t_tokens, d_tokens, checked)})"
         )
     first = _differing_ids(t_tokens, d_tokens, 0, min(FIRST_CHECKED_ID, shared))
     if first:
@@ -166,12 +180,12 @@ def _check_special_tokens(target: VocabInfo, draft: VocabInfo, report: CompatRep
             draft_does = "does" if d_add else "does not"
             report.problems.append(
                 f"{name} handling differs: the target {target_does} {name} to prompts, "
-                f"the draft {draft_does}; {SAME_FAMILY}"
+                f"the draft {draft_does}"
             )
         elif t_id != d_id:
             ids = f"target uses {_id_text(t_id)}, draft uses {_id_text(d_id)}"
             if t_add:
-                report.problems.append(f"{name} token ids differ: {ids}; {SAME_FAMILY}")
+                report.problems.append(f"{name} token ids differ: {ids}")
             else:  # never added to a prompt: the target alone decides where text starts and ends
                 report.warnings.append(
                     f"{name} token ids differ ({ids}); the target decides where generation "
@@ -180,7 +194,8 @@ def _check_special_tokens(target: VocabInfo, draft: VocabInfo, report: CompatRep
 
 
 def check_pair(target: ModelFacts, draft: ModelFacts) -> CompatReport:
-    """Report whether draft can propose tokens for target, and exactly why not."""
+    """Report whether draft can propose tokens for target (exactly why not), and whether
+    through the target's own vocabulary or translated (exactly why)."""
     report = CompatReport()
     for role, model in (("target", target), ("draft", draft)):
         if model.vocab is None:
@@ -192,20 +207,32 @@ def check_pair(target: ModelFacts, draft: ModelFacts) -> CompatReport:
             report.problems.append(f"the {role} {vocab_only_message(model.file)}")
     if target.vocab is None or draft.vocab is None:
         return report
-    if target.vocab.vocab_type != draft.vocab.vocab_type:
-        report.problems.append(
-            f"vocabulary types differ: target uses {_type_text(target)}, draft uses "
-            f"{_type_text(draft)}; {SAME_FAMILY}"
-        )
-    _check_special_tokens(target.vocab, draft.vocab, report)
-    _check_vocab_size(target, draft, report)
-    _check_token_texts(target, draft, report)
+    vocabulary = same_vocabulary(target, draft)
+    report.differences = vocabulary.problems
+    if not vocabulary.problems:  # translated, the vocabularies' details do not matter
+        report.warnings += vocabulary.warnings
     if target.file.n_params and draft.file.n_params >= target.file.n_params:
         report.warnings.append(
             f"the draft is not smaller than the target ({draft.file.n_params:,} vs "
             f"{target.file.n_params:,} parameters), so drafting with it is unlikely to pay (the "
             "n-gram lookup still may); pick a much smaller draft"
         )
+    return report
+
+
+def same_vocabulary(target: ModelFacts, draft: ModelFacts) -> CompatReport:
+    """llama.cpp's rules for a draft of the target's own vocabulary: its problems are
+    why the two differ."""
+    assert target.vocab is not None and draft.vocab is not None
+    report = CompatReport()
+    if target.vocab.vocab_type != draft.vocab.vocab_type:
+        report.problems.append(
+            f"vocabulary types differ: target uses {_type_text(target)}, draft uses "
+            f"{_type_text(draft)}"
+        )
+    _check_special_tokens(target.vocab, draft.vocab, report)
+    _check_vocab_size(target, draft, report)
+    _check_token_texts(target, draft, report)
     return report
 
 

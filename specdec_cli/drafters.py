@@ -156,6 +156,9 @@ class ModelDrafter:
         self._n_cached = 0
         self._unchecked: list[int] = []
         self._scratch = np.empty(0, np.float32)
+        # Tokens never drawn when sampling: those of a draft vocabulary whose text the
+        # target's lacks (see translate.py). q is then renormalised over the rest.
+        self.banned: np.ndarray | None = None
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         if sampling is not None:
@@ -227,6 +230,8 @@ class ModelDrafter:
                 return [token], [confidence], [None]
             return *self._likeliest(logits, token, n), [None] * n
         ids, probs, dists = [], [], []
+        if self.banned is not None:
+            logits[self.banned] = -np.inf  # the draft's own row, read once
         q: Dist | None = distribution(logits, self.sampling)
         while q is not None and len(ids) < n:
             ids.append(q.sample(rng))
@@ -567,7 +572,7 @@ class LookupThenModel:
     # so that only the text decides how much of it is tested.
     GUESS_LENGTH = 64
 
-    def __init__(self, lookup: NgramDrafter, model: ModelDrafter) -> None:
+    def __init__(self, lookup: NgramDrafter, model: Drafter) -> None:
         self.lookup, self.model = lookup, model
         self.ctx = model.ctx
         self.hit_rate: dict[str, float] = {}

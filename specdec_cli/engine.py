@@ -13,7 +13,14 @@ from pathlib import Path
 import numpy as np
 
 from specdec_cli import backend, compat, costcache, gguf_meta
-from specdec_cli.chat import ChatOptions, prompt_tokens
+from specdec_cli.chat import (
+    ChatOptions,
+    Message,
+    chat_tokens,
+    conversation,
+    own_chat_tokens,
+    render,
+)
 from specdec_cli.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
@@ -38,9 +45,13 @@ from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import FlashAttnChoice, Stats
 from specdec_cli.textstream import TextStream
+from specdec_cli.translate import DraftPrompts, SharedVocab, TranslatedDrafter
 from specdec_cli.treeshape import MAX_WIDTH, AutoTree, FixedTree, TreePolicy
 
 DEFAULT_MAX_CTX = 4096
+# A translated draft's context holds this many times the target's: the same text can
+# take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
+TRANSLATED_ROOM = 2
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
 VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see NgramDrafter)
 # The most draft tokens --tree auto verifies in one round.
@@ -191,7 +202,8 @@ class Engine:
         self.notify = notify
         draft_path = options.draft
         init_backend(options.verbose)
-        self.warnings = check_models(options.target, draft_path) + batch_warnings(options)
+        pairing = check_models(options.target, draft_path)
+        self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
         self.warnings += [note for note in (repack_note, offload_note) if note]
@@ -220,13 +232,27 @@ class Engine:
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
             context_params = self._context_params(
-                self.target.n_ctx,
+                self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1),
                 options.threads_draft or threads,
                 n_seq_max=draft_seqs if self.tree_nodes else 1,
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
+        # A draft of another vocabulary: its prompts, and the texts both vocabularies share.
+        self.draft_prompts: DraftPrompts | None = None
+        self.shared: SharedVocab | None = None
+        if draft_model and pairing.translated:
+            self._translate_drafts(draft_model, pairing.differences[0])
         self.decoder = self.make_decoder(
             drafter_kind(draft_path is not None, options.ngram), options.drafting.k
+        )
+
+    def _translate_drafts(self, draft_model: Model, why: str) -> None:
+        self.draft_prompts = DraftPrompts(self.model, draft_model)
+        self.shared = SharedVocab.load(self.model, draft_model)
+        self.warnings.append(
+            f"{draft_model.path.name} has another vocabulary than {self.model.path.name} "
+            f"({why}): its drafts are translated, by their text when greedy, among the "
+            f"{self.shared.n_shared} token texts both share when sampling"
         )
 
     def _context_params(
@@ -279,14 +305,12 @@ class Engine:
         elif self.draft_ctx is None:
             raise UserError("no draft model is loaded; pass one with -d")
         elif kind == "model":
-            drafter = ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
+            drafter = self.model_drafter(self.draft_ctx)
         else:
             # Next to a draft model, only longer matches are worth more than its guess.
             n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
             lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy)
-            drafter = LookupThenModel(
-                lookup, ModelDrafter(self.draft_ctx, sampling, self.model.n_vocab)
-            )
+            drafter = LookupThenModel(lookup, self.model_drafter(self.draft_ctx))
         # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.
         auto = parse_k(k) is None
@@ -300,6 +324,14 @@ class Engine:
         return Decoder(
             self.target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
         )
+
+    def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
+        """The draft model's drafter: in the target's vocabulary, or translated to it."""
+        sampling = self.options.sampling
+        if self.shared is None or self.draft_prompts is None:
+            return ModelDrafter(ctx, sampling, self.model.n_vocab)
+        model = ModelDrafter(ctx, sampling)
+        return TranslatedDrafter(model, self.model, ctx.model, self.shared, self.draft_prompts)
 
     def _draft_length(self, kind: str, k: str, prior: float = AutoLength.PRIOR) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
@@ -465,8 +497,21 @@ class Engine:
         """The prompt's tokens; with `chat`, wrapped in the target's chat format (the
         prompt may then be None: the conversation is in chat.history)."""
         if chat is not None:
-            return prompt_tokens(self.model, prompt, chat)
-        return self.model.tokenize(prompt)
+            return self.tokenize_messages(conversation(prompt, chat), chat.template)
+        assert prompt is not None
+        tokens = self.model.tokenize(prompt)
+        if self.draft_prompts:  # a translated draft tokenizes the prompt its own way
+            self.draft_prompts.remember(tokens, self.draft_prompts.draft.tokenize(prompt))
+        return tokens
+
+    def tokenize_messages(self, messages: list[Message], template: str | None = None) -> list[int]:
+        """A conversation's tokens in the target's chat format (`template`, or its own),
+        and for a translated draft in the draft's own."""
+        tokens = chat_tokens(self.model, render(self.model, messages, template))
+        if self.draft_prompts:
+            draft = self.draft_prompts.draft
+            self.draft_prompts.remember(tokens, own_chat_tokens(draft, messages))
+        return tokens
 
     def pieces(
         self,
@@ -527,19 +572,20 @@ def batch_warnings(options: EngineOptions) -> list[str]:
     ]
 
 
-def check_models(target: Path, draft: Path | None) -> list[str]:
+def check_models(target: Path, draft: Path | None) -> compat.CompatReport:
     """Refuse files llama.cpp would choke on, and drafts that cannot pair with the target,
-    before loading any weights. Returns warnings worth showing."""
+    before loading any weights. The report says whether drafts are translated, and what
+    is worth a warning."""
     files = [gguf_meta.read_gguf(path) for path in (target, draft) if path]
     for file in files:
         if file.vocab_only:
             raise UserError(compat.vocab_only_message(file))
     if draft is None:
-        return []
+        return compat.CompatReport()
     report = compat.check_pair(*(compat.facts_of(file) for file in files))
     if not report.ok:
         raise UserError(
             f"{draft.name} cannot draft for {target.name}: {report.problems[0]} "
             "(run `specdec check -m TARGET -d DRAFT` for the full report)"
         )
-    return list(report.warnings)
+    return report

@@ -13,8 +13,9 @@ from rich.text import Text
 
 from specdec_cli.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.config import load_config
-from specdec_cli.llama import init_backend
+from specdec_cli.llama import Model, init_backend
 from specdec_cli.models import locate_model
+from specdec_cli.translate import SharedVocab
 
 
 def load_model(ref: str, config_path: str | None = None, need_vocab: bool = True) -> ModelFacts:
@@ -185,22 +186,45 @@ def _print_facts(
     Console().print(table)
 
 
+def shared_token_texts(target: ModelFacts, draft: ModelFacts) -> int:
+    """How many of the draft's token texts the target's vocabulary has too."""
+    models = [Model(facts.path, vocab_only=True) for facts in (target, draft)]
+    try:
+        return SharedVocab.load(*models).n_shared
+    finally:
+        for model in models:
+            model.close()
+
+
 def print_check(
-    target: ModelFacts, draft: ModelFacts, report: CompatReport, *, as_json: bool
+    target: ModelFacts,
+    draft: ModelFacts,
+    report: CompatReport,
+    *,
+    as_json: bool,
+    shared: int | None = None,
 ) -> None:
-    """Print the verdict on a draft/target pair, with every problem and warning."""
+    """Print the verdict on a draft/target pair, with every problem and warning; for a
+    translated pair, why, and how many token texts the vocabularies share (`shared`)."""
     if as_json:
-        print(
-            json.dumps({"target": str(target.path), "draft": str(draft.path), **report.to_dict()})
-        )
+        extra = {} if shared is None else {"shared_token_texts": shared}
+        paths = {"target": str(target.path), "draft": str(draft.path)}
+        print(json.dumps(paths | report.to_dict() | extra))
         return
     print(f"target: {target.path}")
     print(f"draft:  {draft.path}")
-    if report.ok:
-        print("result: compatible, the draft can be used with this target")
-    else:
+    if not report.ok:
         print("result: NOT compatible")
+    elif report.translated:
+        print(
+            "result: compatible, with drafts translated: the vocabularies differ "
+            f"({shared} of the draft's {len(draft.file.tokens)} token texts are the target's too)"
+        )
+    else:
+        print("result: compatible, the draft shares the target's vocabulary")
     for problem in report.problems:
         print(f"problem: {problem}")
+    for difference in report.differences:
+        print(f"difference: {difference}")
     for warning in report.warnings:
         print(f"warning: {warning}")

@@ -52,7 +52,6 @@ from specdec_cli.api import (
     parse_body,
     parse_request,
 )
-from specdec_cli.chat import chat_tokens, render
 from specdec_cli.decode import Decoder
 from specdec_cli.display import note, warn
 from specdec_cli.engine import Engine, EngineOptions, Piece
@@ -269,8 +268,7 @@ class Service:
         assert self.engine is not None
         model = self.engine.model
         if request.messages is not None:
-            template = self.chat_template
-            tokens = chat_tokens(model, render(model, list(request.messages), template))
+            tokens = self.engine.tokenize_messages(list(request.messages), self.chat_template)
         elif request.tokens is not None:
             tokens = list(request.tokens)
             if not all(0 <= t < model.n_vocab for t in tokens):
@@ -278,7 +276,7 @@ class Service:
                     f"prompt token ids must be from 0 to {model.n_vocab - 1}", param="prompt"
                 )
         else:
-            tokens = model.tokenize(request.text or "")
+            tokens = self.engine.tokenize(request.text or "")
         n_ctx = self.engine.target.n_ctx
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")

@@ -37,6 +37,8 @@ from ggufgen import (
     write_gguf,
 )
 
+from specdec_cli.llama import Model, init_backend
+
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
 # The draft is the target's first DRAFT_LAYERS layers. The target's later layers
 # add only WEAK_SCALE of a normal layer's output, so the draft's greedy choice
@@ -176,6 +178,22 @@ def vocab_file() -> Callable[[str], Path]:
         return path
 
     return find
+
+
+@pytest.fixture(scope="session")
+def vocab_model(vocab_file: Callable[[str], Path]) -> Iterator[Callable[[str], Model]]:
+    """vocab_model("qwen2"): a real tokenizer loaded without weights, kept for the session."""
+    init_backend()
+    loaded: dict[str, Model] = {}
+
+    def load(family: str) -> Model:
+        if family not in loaded:
+            loaded[family] = Model(vocab_file(family), vocab_only=True)
+        return loaded[family]
+
+    yield load
+    for model in loaded.values():
+        model.close()
 
 
 # Tiny in everything but the vocabulary: the vocabulary-sized matrices dominate the file.

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple, Protocol
 import numpy as np
 from gguf import (
     GGMLQuantizationType,
+    GGUFReader,
     GGUFValue,
     GGUFValueType,
     GGUFWriter,
@@ -381,6 +382,24 @@ def f16_vocab_matrices(tensors: Mapping[str, np.ndarray]) -> dict[str, np.ndarra
     return {
         name: w.astype(np.float16) if name in VOCAB_MATRICES else w for name, w in tensors.items()
     }
+
+
+def read_f32_model(path: Path) -> tuple[dict[str, GGUFValue], dict[str, np.ndarray]]:
+    """All metadata (minus the GGUF header counts) and all tensors of an F32 GGUF file."""
+    reader = GGUFReader(path)
+    metadata: dict[str, GGUFValue] = {}
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF."):  # version and counts: the writer makes its own
+            continue
+        main_type = field.types[0]
+        sub_type = field.types[-1] if main_type == GGUFValueType.ARRAY else None
+        metadata[field.name] = GGUFValue(field.contents(), main_type, sub_type)
+    tensors: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        if tensor.tensor_type != GGMLQuantizationType.F32:
+            raise ValueError(f"{path}: {tensor.name} is {tensor.tensor_type.name}, not F32")
+        tensors[tensor.name] = np.array(tensor.data)
+    return metadata, tensors
 
 
 def write_gguf(

@@ -7,7 +7,7 @@ tokenizing and chat formatting need.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,7 @@ import pytest
 from specdec_cli import chat
 from specdec_cli.chat import ChatOptions, Message
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Model, init_backend
+from specdec_cli.llama import Model
 
 CONVERSATION = [
     Message("system", "You are terse."),
@@ -64,22 +64,6 @@ GEMMA3_TEMPLATE = """{{ bos_token }}
     {{'<start_of_turn>model\\n'}}
 {%- endif -%}
 """
-
-
-@pytest.fixture(scope="module")
-def vocab_model(vocab_file: Callable[[str], Path]) -> Iterator[Callable[[str], Model]]:
-    """vocab_model("qwen2"): a real tokenizer loaded without weights, kept for the module."""
-    init_backend()
-    loaded: dict[str, Model] = {}
-
-    def load(family: str) -> Model:
-        if family not in loaded:
-            loaded[family] = Model(vocab_file(family), vocab_only=True)
-        return loaded[family]
-
-    yield load
-    for model in loaded.values():
-        model.close()
 
 
 def jinja_render(template: str, messages: list[Message], bos_token: str) -> str:

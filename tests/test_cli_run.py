@@ -60,9 +60,14 @@ def test_missing_draft(target_model: Path, tmp_path: Path) -> None:
     assert_user_error(result, "not found")
 
 
-def test_mismatched_vocabulary(target_model: Path, other_vocab_model: Path) -> None:
-    result = specdec("run", "-m", str(target_model), "-d", str(other_vocab_model), "-p", "hi")
-    assert_user_error(result, "cannot draft for", "token")
+def test_another_vocabulary_is_translated_and_said_once(
+    target_model: Path, other_vocab_model: Path
+) -> None:
+    args = ["run", "-m", str(target_model), "-d", str(other_vocab_model), "-p", "hi", "-n", "8"]
+    result = specdec(*args, "--temp", "0")
+    assert result.returncode == 0, result.stderr
+    said = [line for line in result.stderr.splitlines() if "translated" in line]
+    assert len(said) == 1 and other_vocab_model.name in said[0]
 
 
 def test_padded_vocabulary_only_warns(target_model: Path, padded_vocab_model: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -207,7 +208,7 @@ def test_check_padding_warning_with_md_alias(
     assert "warning: vocabulary sizes differ: target has 511 tokens, draft has 495" in out
 
 
-def test_check_incompatible_pair_exits_1(
+def test_check_another_vocabulary_is_translated(
     target_model: Path,
     other_vocab_model: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -215,9 +216,24 @@ def test_check_incompatible_pair_exits_1(
 ) -> None:
     args = ["check", "-m", str(target_model), "--draft", str(other_vocab_model)]
     code, out, _ = run_cli(args, monkeypatch, capsys)
+    assert code == 0
+    assert "result: compatible, with drafts translated" in out
+    assert "difference: token texts differ at " in out
+    # rot13 leaves the single characters and symbols alike: those texts are shared
+    assert re.search(r"\((\d+) of the draft's 495 token texts are the target's too\)", out)
+
+
+def test_check_vocabulary_only_draft_exits_1(
+    target_model: Path,
+    vocab_file: Callable[[str], Path],
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["check", "-m", str(target_model), "--draft", str(vocab_file("qwen2"))]
+    code, out, _ = run_cli(args, monkeypatch, capsys)
     assert code == 1
     assert "result: NOT compatible" in out
-    assert "problem: token texts differ at " in out
+    assert "problem: the draft ggml-vocab-qwen2.gguf has no weights" in out
 
 
 def test_check_json(
@@ -228,11 +244,12 @@ def test_check_json(
 ) -> None:
     args = ["check", "-m", str(target_model), "-d", str(other_vocab_model), "--json"]
     code, out, _ = run_cli(args, monkeypatch, capsys)
-    assert code == 1
+    assert code == 0
     data = json.loads(out)
     assert (data["target"], data["draft"]) == (str(target_model), str(other_vocab_model))
-    assert data["ok"] is False
-    assert len(data["problems"]) == 1 and data["warnings"] == []
+    assert data["ok"] is True and data["vocabulary"] == "translated"
+    assert len(data["differences"]) == 1 and data["problems"] == []
+    assert 0 < data["shared_token_texts"] < 495
 
 
 def test_check_bad_input_exits_2(

@@ -1,0 +1,340 @@
+"""Drafts across vocabularies: any small model drafts for any target.
+
+A draft whose tokenizer differs from the target's proposes in its own tokens, and they
+reach the target as text. Two ways, both exact: the target verifies whatever it is
+offered by the usual rules, so a poor translation costs acceptance, never the output.
+
+- Greedy: string-level exact match (SLEM, Timor et al., ICML 2025). The draft's tokens
+  become bytes and the bytes the target's tokens, tokenized together with the last few
+  tokens the target accepted (the anchor), so that the join tokenizes as it would in the
+  whole text.
+- Sampling: token-level intersection (TLI, same paper; what Hugging Face and vLLM use).
+  The draft draws only among the tokens whose text both vocabularies have, its
+  distribution renormalised there, so each draft token is one target token and the
+  rejection rule sees the q it was drawn from.
+
+Either way, the accepted text is tokenized again for the draft after each round, and
+its memory keeps what agrees with that (`ModelDrafter`'s sync) and evaluates the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import llama_cpp
+import numpy as np
+
+from specdec_cli import costcache
+from specdec_cli.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
+from specdec_cli.llama import Model
+from specdec_cli.sampling import DenseDist, Dist, SamplingParams
+
+# Accepted tokens tokenized again with the new text: enough that the join tokenizes as
+# in the whole text (a word, a run of spaces), few enough to cost nothing.
+ANCHOR = 4
+# The most draft tokens of the accepted text tokenized afresh, where the new text
+# merges into them ("Hel" + "lo": "Hello"); the draft's memory drops them.
+MOST_MERGED = 8
+
+
+def token_text(model: Model, token: int) -> bytes | None:
+    """A token's text, for matching across vocabularies; None for a control token
+    (BOS, end of turn, template markers), which never stands for text."""
+    if llama_cpp.llama_vocab_is_control(model.vocab, token) or model.is_eog(token):
+        return None
+    return model.piece(token) or None
+
+
+def is_byte_token(model: Model, token: int) -> bool:
+    attr = llama_cpp.llama_vocab_get_attr(model.vocab, token)
+    return bool(attr & llama_cpp.LLAMA_TOKEN_ATTR_BYTE)
+
+
+class SharedVocab:
+    """The tokens whose text both vocabularies have: each draft token's target token
+    (-1 where the target has no token of that text).
+
+    Texts are llama.cpp's token pieces, so SentencePiece's "▁" and byte-level BPE's "Ġ"
+    are both a space, and a byte token (<0x41>) its byte. Where a vocabulary has two
+    tokens of one text (a byte token and a plain one), the plain one is used: it is the
+    one its tokenizer produces, and one draft token per target token keeps q's mapping
+    one to one."""
+
+    def __init__(self, to_target: np.ndarray) -> None:
+        self.to_target = to_target
+        self.banned = np.flatnonzero(to_target < 0)  # draft tokens TLI never draws
+
+    @property
+    def n_shared(self) -> int:
+        return len(self.to_target) - len(self.banned)
+
+    @classmethod
+    def build(cls, target: Model, draft: Model) -> SharedVocab:
+        by_text = _plain_first(target)
+        to_target = np.full(draft.n_vocab, -1, dtype=np.int64)
+        for text, token in _plain_first(draft).items():
+            to_target[token] = by_text.get(text, -1)
+        return cls(to_target)
+
+    @classmethod
+    def load(cls, target: Model, draft: Model) -> SharedVocab:
+        """Built once per pair of files and kept in the cache beside the measured costs."""
+        key = costcache.cache_key([target.path, draft.path], {"measure": "shared_vocab"})
+        path = costcache.cache_dir() / f"shared-vocab-{key}.npy"
+        try:
+            to_target = np.load(path)
+            if to_target.shape == (draft.n_vocab,):
+                return cls(to_target)
+        except (OSError, ValueError):
+            pass
+        shared = cls.build(target, draft)
+        _save(path, shared.to_target)
+        return shared
+
+    def map_tokens(self, tokens: Sequence[int]) -> list[int]:
+        return [int(self.to_target[t]) for t in tokens]
+
+    def map_dist(self, q: Dist) -> Dist:
+        """A draft distribution over shared tokens, as one over the target's ids."""
+        ids = self.to_target[q.ids]
+        keep = (ids >= 0) & (q.probs > 0.0)
+        if isinstance(q, DenseDist) or not keep.all():
+            ids, probs = ids[keep], q.probs[keep]
+        else:
+            probs = q.probs
+        order = np.argsort(ids, kind="stable")
+        return Dist(ids[order], probs[order])
+
+
+def _plain_first(model: Model) -> dict[bytes, int]:
+    """Each text of the vocabulary and its token, a plain token before a byte token."""
+    by_text: dict[bytes, int] = {}
+    for token in range(model.n_vocab):
+        text = token_text(model, token)
+        if text is None:
+            continue
+        if text not in by_text or is_byte_token(model, by_text[text]):
+            by_text[text] = token
+    return by_text
+
+
+def _save(path: Path, array: np.ndarray) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, array)
+    except OSError:
+        pass  # a read-only cache only costs building it again next time
+
+
+def whole_text(data: bytes, complete: bool = False) -> tuple[str, int]:
+    """The text of `data`, and how many of its bytes that is: a character cut short at
+    the end waits for its other bytes (unless `complete`: no more will come), and bytes
+    that are no UTF-8 at all become U+FFFD."""
+    try:
+        return data.decode(), len(data)
+    except UnicodeDecodeError as err:
+        if not complete and err.reason == "unexpected end of data":
+            return data[: err.start].decode(errors="replace"), err.start
+        return data.decode(errors="replace"), len(data)
+
+
+def first_valid_text(data: bytes) -> str:
+    """The longest start of `data` that is whole UTF-8 characters."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as err:
+        return data[: err.start].decode()
+
+
+def tokens_after(
+    model: Model, context: Sequence[int], text: str, back: int = 0
+) -> tuple[int, list[int]] | None:
+    """`text` as the model tokenizes it after `context` (its tokens of what came
+    before): (n, tokens), where context[:n] stays and `tokens` spell the rest of the
+    context's text, then `text`.
+
+    The anchor (the last ANCHOR context tokens) is tokenized again with the text, so
+    that the join tokenizes as in the whole text. Where the text merges into the
+    anchor's last tokens, the join moves up to `back` tokens earlier; None where it
+    cannot, or where the tokenizer does not spell the text back as given.
+    """
+    start = _anchor_start(model, context)
+    pieces = [model.piece(t) for t in context[start:]]
+    prefix = b"".join(pieces)
+    try:
+        joined = prefix.decode() + text
+    except UnicodeDecodeError:
+        return None
+    data = joined.encode()
+    tokens = model.tokenize(joined, add_special=False, parse_special=False)
+    spelled = [model.piece(t) for t in tokens]
+    # Some tokenizers put a space first (SentencePiece's prefix): `shift` bytes.
+    shift = sum(map(len, spelled)) - len(data)
+    if shift < 0 or b"".join(spelled)[shift:] != data:
+        return None
+    ends = {0: 0} if shift == 0 else {}  # offset in data -> tokens that end there
+    end = -shift
+    for j, piece in enumerate(spelled):
+        end += len(piece)
+        if end >= 0:
+            ends[end] = j + 1
+    edge = len(prefix)
+    for kept in range(len(pieces), max(0, len(pieces) - back) - 1, -1):
+        if kept < len(pieces):
+            edge -= len(pieces[kept])
+        j = ends.get(edge)
+        if j is not None:
+            return start + kept, tokens[j:]
+    return None
+
+
+def _anchor_start(model: Model, context: Sequence[int]) -> int:
+    """Where the anchor starts: ANCHOR tokens back, moved to a character's first byte."""
+    start = max(0, len(context) - ANCHOR)
+    while start > 0 and _continues_a_character(model.piece(context[start])):
+        start -= 1
+    return start
+
+
+def _continues_a_character(piece: bytes) -> bool:
+    return bool(piece) and 0x80 <= piece[0] < 0xC0
+
+
+class TranslatedDrafter:
+    """A draft model with its own vocabulary, drafting for the target in the target's
+    tokens (see the module's docstring). A chain when greedy; when sampling, a chain or
+    the tree a shape allows, all of its tokens shared ones."""
+
+    name = ModelDrafter.name
+
+    def __init__(
+        self,
+        model: ModelDrafter,
+        target: Model,
+        draft: Model,
+        shared: SharedVocab,
+        draft_prompts: DraftPrompts,
+    ) -> None:
+        self.model, self.ctx = model, model.ctx
+        self.target, self.draft = target, draft
+        self.shared, self.draft_prompts = shared, draft_prompts
+        self.sampling = model.sampling
+        # What the draft's memory should hold: its own prompt, then the accepted text
+        # tokenized by its tokenizer; `done` target tokens of that text are in it, but
+        # for `pending` bytes (a character cut short waits for the rest).
+        self._sequence: list[int] = []
+        self._base = 0  # its prompt's tokens, which no text after them changes
+        self._prompt_length = 0
+        self._done = 0
+        self._pending = b""
+        # Running averages of bytes per token, to draft enough draft tokens for k
+        # target tokens (a 512-token draft vocabulary writes shorter tokens than 262k).
+        self._target_bytes = self._draft_bytes = 3.0
+
+    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        if sampling is not None:
+            self.sampling = sampling
+        self.model.banned = None if self.sampling.greedy else self.shared.banned
+        self._sequence = self.draft_prompts.draft_tokens(prompt)
+        self._base, self._prompt_length = len(self._sequence), len(prompt)
+        self._done, self._pending = 0, b""
+        self.model.begin(self._sequence, sampling)
+
+    def sources(self, tokens: list[int]) -> list[str]:
+        return [self.name]
+
+    def propose(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
+        source: str | None = None,
+    ) -> Draft:
+        sequence = self._follow(tokens)
+        room = self.ctx.n_ctx - len(sequence) - 1  # the draft's tokens are more, or fewer
+        if room < 1 or not sequence:
+            return Draft(source=self.name)
+        if self.sampling.greedy:
+            return self._string_match(tokens, sequence, k, room, rng, keep_drafting)
+        draft = self.model.propose(sequence, min(k, room), rng, keep_drafting, shape)
+        # Every token drawn is a shared one: the same text, one target token each.
+        draft.tokens = self.shared.map_tokens(draft.tokens)
+        draft.dists = [self.shared.map_dist(q) for q in draft.dists]
+        return draft
+
+    def _string_match(
+        self,
+        tokens: list[int],
+        sequence: list[int],
+        k: int,
+        room: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None,
+    ) -> Draft:
+        """SLEM: enough draft tokens for k + 1 target ones, their text tokenized by the
+        target after its last tokens; the last is dropped (the draft's text may end
+        inside a target token: "sa" of "sat"), and at most k kept. The draft's own end
+        of text and control tokens end its text: they stand for none."""
+        wanted = math.ceil((k + 1) * self._target_bytes / self._draft_bytes)
+        ours = self.model.propose(sequence, max(1, min(wanted, 4 * k, room)), rng, keep_drafting)
+        texts = []
+        for token in ours.tokens:
+            piece = token_text(self.draft, token)
+            if piece is None:
+                break
+            texts.append(piece)
+        text = b"".join(texts)
+        if texts:
+            self._draft_bytes += 0.1 * (len(text) / len(texts) - self._draft_bytes)
+        translated = tokens_after(self.target, tokens, first_valid_text(text))
+        theirs = translated[1][:-1][:k] if translated else []
+        return Draft(tokens=theirs, calls=ours.calls, source=self.name)
+
+    def _follow(self, tokens: list[int]) -> list[int]:
+        """The draft's own tokens for the prompt and the text the target accepted."""
+        new = tokens[self._prompt_length + self._done :]
+        if new:
+            piece = self.target.piece
+            added = b"".join(piece(t) for t in new)
+            self._target_bytes += 0.1 * (len(added) / len(new) - self._target_bytes)
+            self._pending += added
+            self._done += len(new)
+        text, used = whole_text(self._pending)
+        if text:
+            back = min(MOST_MERGED, len(self._sequence) - self._base)
+            joined = tokens_after(self.draft, self._sequence, text, back)
+            if joined is None:  # text its tokenizer does not spell back (an unknown character)
+                joined = len(self._sequence), self.draft.tokenize(text, False, False)
+            kept, fresh = joined
+            self._sequence = self._sequence[:kept] + fresh
+            self._pending = self._pending[used:]
+        return self._sequence
+
+
+class DraftPrompts:
+    """Each prompt as the draft tokenizes it, in its own chat format: the engine
+    remembers both models' tokens when it tokenizes a prompt; a prompt it did not
+    tokenize (token ids from the API) reaches the draft as its text, control tokens
+    left out."""
+
+    REMEMBERED = 8
+
+    def __init__(self, target: Model, draft: Model) -> None:
+        self.target, self.draft = target, draft
+        self._known: dict[tuple[int, ...], list[int]] = {}
+
+    def remember(self, target_tokens: list[int], draft_tokens: list[int]) -> None:
+        if len(self._known) >= self.REMEMBERED:
+            self._known.pop(next(iter(self._known)))
+        self._known[tuple(target_tokens)] = draft_tokens
+
+    def draft_tokens(self, target_tokens: list[int]) -> list[int]:
+        known = self._known.get(tuple(target_tokens))
+        if known is None:
+            texts = (token_text(self.target, t) or b"" for t in target_tokens)
+            known = self.draft.tokenize(whole_text(b"".join(texts), complete=True)[0])
+        return list(known)
