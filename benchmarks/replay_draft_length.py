@@ -37,13 +37,16 @@ DEFAULT_DRAFT = REPO.parent / "shared" / "models" / "stories260K.gguf"
 MAX_K = 8
 
 
-def record_texts(engine: Engine, n_predict: int) -> dict[str, tuple[list[int], list[int]]]:
-    """Per built-in prompt: its tokens and the target's greedy continuation (target-only
-    decoding, up to `n_predict` tokens). Greedy speculative decoding writes this same
-    text, so every policy can be replayed on it without the target."""
+def record_texts(
+    engine: Engine, n_predict: int, prompts: dict[str, str] = BUILTIN_PROMPTS
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Per prompt (by default the built-in ones): its tokens and the target's greedy
+    continuation (target-only decoding, up to `n_predict` tokens). Greedy speculative
+    decoding writes this same text, so every policy can be replayed on it without the
+    target."""
     target_only = engine.make_decoder(None, "1")
     texts = {}
-    for name, text in BUILTIN_PROMPTS.items():
+    for name, text in prompts.items():
         prompt = engine.tokenize(text)
         generated: list[int] = []
         rng = np.random.default_rng(0)
@@ -126,7 +129,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def replay_options(
-    target: Path, draft: Path, threads: int, drafting: DraftOptions
+    target: Path, draft: Path | None, threads: int, drafting: DraftOptions
 ) -> EngineOptions:
     """The engine a replay records with: greedy, a 512-token context."""
     return EngineOptions(

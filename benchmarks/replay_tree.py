@@ -19,11 +19,15 @@ Cost curves, in one-token target passes:
             kept on disk, so reruns give the same figures);
   gpu       verifying 2-16 tokens costs 1.05, each token past 16 another 0.05;
             a draft call 0.05; no rebuild cost;
+  memory    verifying n tokens costs 1 + 0.0375 (n - 1) (5 tokens 1.15, a machine whose
+            passes are bound by reading the weights); a draft call 0.05; no rebuild;
   steep     verifying n tokens costs 1 + 0.45 (n - 1); a draft call 0.05; no rebuild.
 A draft call is charged the same whether it evaluates one tree node or several.
 
-    python benchmarks/replay_tree.py [--target T.gguf --draft D.gguf] [-n 128]
-        [--curve measured gpu steep] [--json out.json]
+`--draft ngram` replays prompt lookup (`-d ngram`) instead of a draft model.
+
+    python benchmarks/replay_tree.py [--target T.gguf --draft D.gguf|ngram] [-n 128]
+        [--curve measured memory gpu steep] [--prompts FILE] [--json out.json]
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import argparse
 import json
 import sys
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,11 +52,12 @@ from replay_draft_length import (  # noqa: E402
     round_cost,
 )
 
+from specdec_cli.bench import BUILTIN_PROMPTS  # noqa: E402
 from specdec_cli.costmodel import Costs, verify_cost  # noqa: E402
-from specdec_cli.drafters import Draft, ModelDrafter  # noqa: E402
+from specdec_cli.drafters import Draft, Drafter, NgramDrafter  # noqa: E402
 from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
 from specdec_cli.engine import AUTO_TREE_NODES, DraftOptions, Engine  # noqa: E402
-from specdec_cli.sampling import GREEDY, verify_tree_greedy  # noqa: E402
+from specdec_cli.sampling import verify_tree_greedy  # noqa: E402
 from specdec_cli.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
 
 DEFAULT_TARGET = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
@@ -73,6 +78,7 @@ def model_curve(verify: Iterable[tuple[int, float]]) -> Costs:
 BATCHES = range(1, LARGEST_TREE + 2)
 MODEL_CURVES = {
     "gpu": model_curve((n, 1.0 if n == 1 else 1.05 + 0.05 * max(0, n - 16)) for n in BATCHES),
+    "memory": model_curve((n, 1.0 + 0.0375 * (n - 1)) for n in BATCHES),
     "steep": model_curve((n, 1.0 + 0.45 * (n - 1)) for n in BATCHES),
 }
 CURVES = ("measured", *MODEL_CURVES)
@@ -123,7 +129,7 @@ def accepted_path(draft: Draft, truth: list[int]) -> list[int]:
 
 
 def simulate(
-    drafter: ModelDrafter,
+    drafter: Drafter,
     prompt: list[int],
     text: list[int],
     length: DraftLength,
@@ -168,7 +174,7 @@ class Replay:
     """Every policy's rounds on the recorded texts, each replayed once: a policy that
     does not read the costs drafts the same under every curve."""
 
-    def __init__(self, drafter: ModelDrafter, texts: dict[str, tuple[list[int], list[int]]]):
+    def __init__(self, drafter: Drafter, texts: dict[str, tuple[list[int], list[int]]]):
         self.drafter, self.texts = drafter, texts
         self._rounds: dict[tuple[Policy, str], list[list[Round]]] = {}
 
@@ -241,26 +247,35 @@ def report(curve: str, costs: Costs, result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
-    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT)
+    parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="a GGUF file, or ngram")
     add_replay_arguments(parser)
     parser.add_argument("--curve", nargs="+", choices=CURVES, default=CURVES)
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--prompts", type=Path, help="one prompt a line (default: built-in)")
     args = parser.parse_args()
+    prompts = BUILTIN_PROMPTS
+    if args.prompts:
+        lines = args.prompts.read_text().splitlines()
+        prompts = {f"line {i}": line for i, line in enumerate(lines, 1) if line.strip()}
     # Contexts with room for the largest trees replayed, MAX_K deep.
     drafting = DraftOptions(k=str(MAX_K), tree=str(LARGEST_TREE))
-    options = replay_options(args.target, args.draft, args.t, drafting)
+    lookup = args.draft == "ngram"
+    draft = None if lookup else Path(args.draft)
+    options = replace(replay_options(args.target, draft, args.t, drafting), ngram=lookup)
     with Engine(options) as engine:
-        assert engine.draft_ctx is not None
-        texts = record_texts(engine, args.n)
+        texts = record_texts(engine, args.n, prompts)
         curves = {
             name: engine.costs() if name == "measured" else MODEL_CURVES[name]
             for name in args.curve
         }
-        drafter = ModelDrafter(engine.draft_ctx, GREEDY, engine.model.n_vocab)
+        drafter: Drafter = NgramDrafter()
+        if not lookup:  # the draft model, translated where its vocabulary is another
+            assert engine.draft_ctx is not None
+            drafter = engine.model_drafter(engine.draft_ctx)
         replay = Replay(drafter, texts)
         results = {name: judge(replay, name, costs) for name, costs in curves.items()}
     print(
-        f"{args.target.name} + {args.draft.name}: "
+        f"{args.target.name} + {Path(args.draft).name}: "
         + ", ".join(f"{name} {len(text)} tokens" for name, (_, text) in texts.items())
     )
     for name, result in results.items():

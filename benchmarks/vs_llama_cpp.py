@@ -14,11 +14,14 @@ five): its speed is their tokens over their seconds. A single prompt is a poor j
 a setting that changes the logits' last bits (`-fa`) changes the greedy text, and with
 it how easy the text is to draft, by more than the setting's own cost.
 
-Build the tool from the llama.cpp tree in llama-cpp-python's source distribution
-(`vendor/llama.cpp`): `cmake -B build -DLLAMA_CURL=OFF && cmake --build build
---target llama-speculative-simple`. See benchmarks/README.md.
+Without `-d`, both sides run the target alone: `specdec run -d none` against
+`llama-completion` (its decode speed, `eval time`), at each `--fa`.
 
-    python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET -d DRAFT [--k 2,3,4] [--fa on,off]
+Build the tools from the llama.cpp tree in llama-cpp-python's source distribution
+(`vendor/llama.cpp`): `cmake -B build -DLLAMA_CURL=OFF && cmake --build build
+--target llama-speculative-simple llama-completion`. See benchmarks/README.md.
+
+    python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET [-d DRAFT] [--k 2,3,4] [--fa on,off]
         [--spec-type TYPES ...] [-p PROMPT ...]
 """
 
@@ -36,6 +39,8 @@ from pathlib import Path
 from specdec_cli.bench import BUILTIN_PROMPTS
 
 LLAMA_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
+# llama-completion's decode line (its prompt's is "prompt eval time")
+LLAMA_DECODE_SPEED = re.compile(r" eval time =.*?runs.*?,\s+([\d.]+) tokens per second")
 
 
 def over_prompts(speed: Callable[..., float]) -> Callable[..., float]:
@@ -52,7 +57,7 @@ def over_prompts(speed: Callable[..., float]) -> Callable[..., float]:
 @over_prompts
 def specdec_speed(args: argparse.Namespace, prompt: str) -> float:
     command = [
-        sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft,
+        sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft or "none",
         "-p", prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
         "-c", str(args.ctx), "--json", *args.specdec_flags,
     ]  # fmt: skip
@@ -63,31 +68,38 @@ def specdec_speed(args: argparse.Namespace, prompt: str) -> float:
 @over_prompts
 def llama_speed(args: argparse.Namespace, prompt: str, spec: str, k: int, fa: str) -> float:
     command = [
-        args.llama, "-m", args.model, "-md", args.draft, "-p", prompt,
-        "-n", str(args.n), "--temp", "0", "-t", str(args.threads), "-td", str(args.threads),
-        "-fa", fa, "--spec-type", spec, "--spec-draft-n-max", str(k),
-        "-c", str(args.ctx), *args.llama_flags,
+        args.llama, "-m", args.model, "-p", prompt, "-n", str(args.n), "--temp", "0",
+        "-t", str(args.threads), "-fa", fa, "-c", str(args.ctx), *args.llama_flags,
     ]  # fmt: skip
+    pattern = LLAMA_DECODE_SPEED
+    if args.draft:
+        command += ["-md", args.draft, "-td", str(args.threads), "--spec-type", spec]
+        command += ["--spec-draft-n-max", str(k)]
+        pattern = LLAMA_SPEED
+    else:
+        command.append("-no-cnv")
     for _ in range(3):  # llama.cpp's log thread now and then loses its last lines at exit
         # The generated text of a random-weight model can split a UTF-8 character.
         result = subprocess.run(
             command, capture_output=True, text=True, errors="replace", check=True
         )
-        match = LLAMA_SPEED.search(result.stderr + result.stdout)
+        match = pattern.search(result.stderr + result.stdout)
         if match:
-            return float(match.group(3))
+            return float(match.group(match.lastindex or 0))
     sys.exit(f"no speed line in llama.cpp's output:\n{result.stderr[-2000:]}")
 
 
 def llama_name(spec: str, k: int, fa: str) -> str:
-    return f"llama {spec} k={k} -fa {fa}"
+    return f"llama {spec} k={k} -fa {fa}" if k else f"llama-completion -fa {fa}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama", required=True, help="path of llama-speculative-simple")
+    parser.add_argument(
+        "--llama", required=True, help="llama-speculative-simple (llama-completion without -d)"
+    )
     parser.add_argument("-m", "--model", required=True, help="target GGUF")
-    parser.add_argument("-d", "--draft", required=True, help="draft GGUF")
+    parser.add_argument("-d", "--draft", help="draft GGUF (none: the target alone, both sides)")
     parser.add_argument(
         "-p", "--prompt", action="append", dest="prompts", help="a prompt (repeatable; "
         "default: specdec bench's five)"
@@ -113,7 +125,7 @@ def main() -> None:
     llama_variants = [
         (spec, int(k), fa)
         for spec in args.spec_types or ["draft-simple"]
-        for k in args.k.split(",")
+        for k in (args.k.split(",") if args.draft else ["0"])
         for fa in args.fa.split(",")
     ]
     specdec_speed(args)  # warm-up: the first run may measure costs and -fa auto, once
