@@ -45,7 +45,7 @@ from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import FlashAttnChoice, Stats
 from specdec_cli.textstream import TextStream
-from specdec_cli.translate import DraftPrompts, SharedVocab, TranslatedDrafter
+from specdec_cli.translate import DraftPrompts, SharedVocab, TranslatedDrafter, bytes_per_token
 from specdec_cli.treeshape import MAX_WIDTH, AutoTree, FixedTree, TreePolicy
 
 DEFAULT_MAX_CTX = 4096
@@ -369,9 +369,16 @@ class Engine:
 
     def _costs_for(self, kind: str) -> Costs:
         """The measured costs as a drafter of this kind pays them: a lookup costs next
-        to nothing."""
+        to nothing; a translated draft model takes as many draft calls a target token
+        as its tokens are shorter than the target's."""
         costs = self.costs()
-        return replace(costs, draft_over_target=0.0) if kind == "ngram" else costs
+        if kind == "ngram":
+            return replace(costs, draft_over_target=0.0)
+        if self.draft_prompts is not None:
+            draft, target = self.draft_prompts.draft, self.model
+            calls = bytes_per_token(target) / bytes_per_token(draft)
+            return replace(costs, draft_over_target=costs.draft_over_target * calls)
+        return costs
 
     def costs(self) -> Costs:
         """The draft's and the target's measured costs, for -k auto: measured once per

@@ -31,6 +31,12 @@ from specdec_cli.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
 from specdec_cli.llama import Model
 from specdec_cli.sampling import DenseDist, Dist, SamplingParams
 
+# Plain English, to compare how many tokens each vocabulary spends on the same text.
+SAMPLE_TEXT = (
+    "Once upon a time, in a small town by the sea, there lived an old fisherman. Every "
+    "evening he told the children about the storms he had seen, the fish he had caught "
+    "and the friends he had lost, and they listened until the lamps were lit."
+)
 # Accepted tokens tokenized again with the new text: enough that the join tokenizes as
 # in the whole text (a word, a run of spaces), few enough to cost nothing.
 ANCHOR = 4
@@ -126,6 +132,11 @@ def _save(path: Path, array: np.ndarray) -> None:
         np.save(path, array)
     except OSError:
         pass  # a read-only cache only costs building it again next time
+
+
+def bytes_per_token(model: Model) -> float:
+    """How many bytes of plain English one of the model's tokens spells, on average."""
+    return len(SAMPLE_TEXT.encode()) / len(model.tokenize(SAMPLE_TEXT, False, False))
 
 
 def whole_text(data: bytes, complete: bool = False) -> tuple[str, int]:
@@ -231,7 +242,7 @@ class TranslatedDrafter:
         self._pending = b""
         # Running averages of bytes per token, to draft enough draft tokens for k
         # target tokens (a 512-token draft vocabulary writes shorter tokens than 262k).
-        self._target_bytes = self._draft_bytes = 3.0
+        self._target_bytes, self._draft_bytes = bytes_per_token(target), bytes_per_token(draft)
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         if sampling is not None:

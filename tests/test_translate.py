@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import openai
 import pytest
 from gguf import GGUFValue
 from ggufgen import read_f32_model, write_gguf
@@ -16,11 +17,12 @@ from scipy.stats import chi2_contingency
 from test_cli_run import specdec
 from test_decode import N_FIRST, SAMPLING, contingency, generate, open_engine
 from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
+from test_server import start
 
 from specdec_cli.chat import ChatOptions
 from specdec_cli.llama import Model
 from specdec_cli.stats import Stats
-from specdec_cli.translate import SharedVocab, tokens_after, whole_text
+from specdec_cli.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
 
 # Multi-byte characters of 2, 3 and 4 bytes, and text a story draft knows.
 PROMPT = "Once upon a time, a naïve cat — 日本の猫 🙂 — sat"
@@ -275,3 +277,42 @@ def test_each_model_reads_a_chat_in_its_own_format(shuffled: Path, stories260k: 
         draft = engine.draft_prompts.draft
         assert spell(engine.model, tokens).count(b"im_start") == 3
         assert spell(draft, draft_tokens).strip() == b"Be brief.\n\nWhat is a cat?"
+
+
+def test_serve_and_bench_translate(shuffled: Path, stories260k: Path, tmp_path: Path) -> None:
+    """A translated pair behind the server (greedy: the target's own text, its drafts
+    taken) and in bench, which measures it like any pair."""
+    reference = target_only(shuffled, "Once upon a time", 24)
+    server = start(tmp_path, "-m", str(shuffled), "-d", str(stories260k), "--temp", "0")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=24)
+        model = Model(shuffled, vocab_only=True)
+        expected = spell(model, reference).decode()
+        model.close()
+        assert out.choices[0].text == expected
+        assert out.model_extra["timings"]["draft_n_accepted"] > 0
+    finally:
+        assert server.stop() == 0, server.output()
+    assert sum("translated" in line for line in server.output().splitlines()) == 1
+    bench = specdec(
+        "bench", "-m", str(shuffled), "-d", str(stories260k), "--no-ngram", "-k", "3",
+        "-n", "16", "--repeat", "1", "-t", "1",
+    )  # fmt: skip
+    assert bench.returncode == 0, bench.stderr
+    assert "model k=3" in bench.stdout
+
+
+def test_auto_prices_a_translated_draft_by_its_calls(
+    real_vocab_pair: Callable[[str], tuple[Path, Path]], stories260k: Path
+) -> None:
+    """Gemma 4's tokens are about twice as long as stories260K's: each target token
+    drafted takes about two draft calls, and -k auto's costs say so."""
+    with open_engine(real_vocab_pair("gemma-4")[0], stories260k, "auto") as engine:
+        assert engine.draft_prompts is not None
+        calls = bytes_per_token(engine.model) / bytes_per_token(engine.draft_prompts.draft)
+        costs = engine.costs()
+        length = engine.make_decoder("model", "auto").length
+        priced = length.costs.draft_seconds / costs.target_seconds
+    assert calls > 1.5
+    assert priced == pytest.approx(costs.draft_over_target * calls)
