@@ -54,6 +54,9 @@ DEFAULT_MAX_CTX = 4096
 TRANSLATED_ROOM = 2
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
 VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see NgramDrafter)
+# ...and for a draft of another vocabulary, whose guesses reach the target through its
+# text (benchmarks/README.md, "Any draft for any target").
+TRANSLATED_PRIOR = 0.5
 # The most draft tokens --tree auto verifies in one round.
 AUTO_TREE_NODES = 32
 # Where -fa auto compares flash attention on and off: a few hundred tokens in, where
@@ -319,7 +322,8 @@ class Engine:
         if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
-        length = self._draft_length(kind, k)
+        translated = self.shared is not None and kind != "ngram"
+        length = self._draft_length(kind, k, TRANSLATED_PRIOR if translated else AutoLength.PRIOR)
         policy = self._tree_policy(tree, kind)
         return Decoder(
             self.target, drafter, sampling, length, k, policy, tree if policy else "off", lengths

@@ -20,6 +20,8 @@ from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
 
 from specdec_cli.chat import ChatOptions
+from specdec_cli.draftlength import AutoLength
+from specdec_cli.engine import TRANSLATED_PRIOR
 from specdec_cli.llama import Model
 from specdec_cli.stats import Stats
 from specdec_cli.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
@@ -316,3 +318,4 @@ def test_auto_prices_a_translated_draft_by_its_calls(
         priced = length.costs.draft_seconds / costs.target_seconds
     assert calls > 1.5
     assert priced == pytest.approx(costs.draft_over_target * calls)
+    assert length.prior == TRANSLATED_PRIOR < AutoLength.PRIOR  # and starts less trusted
