@@ -20,6 +20,7 @@ its memory keeps what agrees with that (`ModelDrafter`'s sync) and evaluates the
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import numpy as np
 from specdec_cli import costcache
 from specdec_cli.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
 from specdec_cli.llama import Model
-from specdec_cli.sampling import DenseDist, Dist, SamplingParams
+from specdec_cli.sampling import Dist, SamplingParams
 
 # Plain English, to compare how many tokens each vocabulary spends on the same text.
 SAMPLE_TEXT = (
@@ -105,12 +106,9 @@ class SharedVocab:
     def map_dist(self, q: Dist) -> Dist:
         """A draft distribution over shared tokens, as one over the target's ids."""
         ids = self.to_target[q.ids]
-        keep = (ids >= 0) & (q.probs > 0.0)
-        if isinstance(q, DenseDist) or not keep.all():
-            ids, probs = ids[keep], q.probs[keep]
-        else:
-            probs = q.probs
-        order = np.argsort(ids, kind="stable")
+        keep = (ids >= 0) & (q.probs > 0.0)  # a dense q lists the banned tokens at 0
+        ids, probs = ids[keep], q.probs[keep]
+        order = np.argsort(ids)
         return Dist(ids[order], probs[order])
 
 
@@ -332,19 +330,24 @@ class DraftPrompts:
     tokenize (token ids from the API) reaches the draft as its text, control tokens
     left out."""
 
-    REMEMBERED = 8
+    # Prompts remembered, the oldest forgotten first: more than a server's queue holds
+    # (a prompt is tokenized when its request arrives, and drafted from when it runs).
+    REMEMBERED = 64
 
     def __init__(self, target: Model, draft: Model) -> None:
         self.target, self.draft = target, draft
         self._known: dict[tuple[int, ...], list[int]] = {}
+        self._lock = threading.Lock()  # the server tokenizes in helper threads
 
     def remember(self, target_tokens: list[int], draft_tokens: list[int]) -> None:
-        if len(self._known) >= self.REMEMBERED:
-            self._known.pop(next(iter(self._known)))
-        self._known[tuple(target_tokens)] = draft_tokens
+        with self._lock:
+            if len(self._known) >= self.REMEMBERED:
+                del self._known[next(iter(self._known))]
+            self._known[tuple(target_tokens)] = draft_tokens
 
     def draft_tokens(self, target_tokens: list[int]) -> list[int]:
-        known = self._known.get(tuple(target_tokens))
+        with self._lock:
+            known = self._known.get(tuple(target_tokens))
         if known is None:
             texts = (token_text(self.target, t) or b"" for t in target_tokens)
             known = self.draft.tokenize(whole_text(b"".join(texts), complete=True)[0])
