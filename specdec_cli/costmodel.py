@@ -104,10 +104,10 @@ def measure_costs(
     just before it and taken as a ratio to it: the machine's speed drifts by tens of
     percent within seconds, and a ratio of two neighbouring timings cancels most of
     that. Each batch is decoded SETTLE times in a row: the first pass pays for the
-    change of batch shape, the last is the steady cost (on a GPU, llama.cpp's CUDA
-    backend captures a graph on the second pass of a new shape: timed second, a
-    one-token pass cost 6-9 ms where it runs at 1.4, and every batch looked nearly
-    free). The order rotates between repetitions; medians, after one untimed round.
+    change of batch shape, the last is the steady cost (on a GPU the second is slow
+    too: llama.cpp's CUDA backend captures a graph there; timed second, every batch
+    looked nearly free: benchmarks/README.md, "On a GPU"). The order rotates between
+    repetitions; medians, after one untimed round.
     """
     sizes = sorted({1, *sizes})
     probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])

@@ -287,6 +287,14 @@ class AutoLength:
         self.uses_confidence = uses_confidence
         self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
+        # What the measured costs alone decide, the same at every generation's start:
+        self.costs = RoundCosts(costs)
+        self.ladder = self._useful_lengths()
+        # Where drafting starts again after a stretch without: the shortest useful length
+        # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
+        self._first_rung = min([n for n in self.ladder if n > 0], default=1)
+        # The steady choice's start: the best k under the prior alone.
+        self._first_k = self._best_at(prior)
         self.begin()
 
     def begin(self) -> None:
@@ -305,12 +313,7 @@ class AutoLength:
         self._plan = 0
         self._estimates: list[float] = []
         self._survive = 1.0
-        self.ladder = self._useful_lengths()
-        # Where drafting starts again after a stretch without: the shortest useful length
-        # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
-        self._first_rung = min([n for n in self.ladder if n > 0], default=1)
-        # The steady choice; the first guess is the best k under the prior alone.
-        self._k = self._best_at(self.prior)
+        self._k = self._first_k  # the steady choice
 
     def _best_at(self, acceptance: float) -> int:
         """The best k if every draft token were accepted at this rate."""

@@ -45,7 +45,7 @@ from specdec_cli.probe import choose_repack
 from specdec_cli.sampling import SamplingParams
 from specdec_cli.stats import FlashAttnChoice, Stats
 from specdec_cli.textstream import TextStream
-from specdec_cli.translate import DraftPrompts, SharedVocab, TranslatedDrafter, bytes_per_token
+from specdec_cli.translate import TranslatedDrafter, Translation
 from specdec_cli.treeshape import MAX_WIDTH, AutoTree, FixedTree, TreePolicy
 
 DEFAULT_MAX_CTX = 4096
@@ -241,8 +241,7 @@ class Engine:
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         # A draft of another vocabulary: its prompts, and the texts both vocabularies share.
-        self.draft_prompts: DraftPrompts | None = None
-        self.shared: SharedVocab | None = None
+        self.translation: Translation | None = None
         if draft_model and pairing.translated:
             self._translate_drafts(draft_model, pairing.differences[0])
         self.decoder = self.make_decoder(
@@ -250,12 +249,11 @@ class Engine:
         )
 
     def _translate_drafts(self, draft_model: Model, why: str) -> None:
-        self.draft_prompts = DraftPrompts(self.model, draft_model)
-        self.shared = SharedVocab.load(self.model, draft_model)
+        self.translation = Translation(self.model, draft_model)
         self.warnings.append(
             f"{draft_model.path.name} has another vocabulary than {self.model.path.name} "
             f"({why}): its drafts are translated, by their text when greedy, among the "
-            f"{self.shared.n_shared} token texts both share when sampling"
+            f"{self.translation.shared.n_shared} token texts both share when sampling"
         )
 
     def _context_params(
@@ -322,7 +320,7 @@ class Engine:
         if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
-        translated = self.shared is not None and kind != "ngram"
+        translated = self.translation is not None and kind != "ngram"
         length = self._draft_length(kind, k, TRANSLATED_PRIOR if translated else AutoLength.PRIOR)
         policy = self._tree_policy(tree, kind)
         return Decoder(
@@ -332,10 +330,9 @@ class Engine:
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""
         sampling = self.options.sampling
-        if self.shared is None or self.draft_prompts is None:
+        if self.translation is None:
             return ModelDrafter(ctx, sampling, self.model.n_vocab)
-        model = ModelDrafter(ctx, sampling)
-        return TranslatedDrafter(model, self.model, ctx.model, self.shared, self.draft_prompts)
+        return TranslatedDrafter(ModelDrafter(ctx, sampling), self.translation)
 
     def _draft_length(self, kind: str, k: str, prior: float = AutoLength.PRIOR) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
@@ -378,9 +375,8 @@ class Engine:
         costs = self.costs()
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
-        if self.draft_prompts is not None:
-            draft, target = self.draft_prompts.draft, self.model
-            calls = bytes_per_token(target) / bytes_per_token(draft)
+        if self.translation is not None:
+            calls = self.translation.calls_per_token
             return replace(costs, draft_over_target=costs.draft_over_target * calls)
         return costs
 
@@ -511,17 +507,17 @@ class Engine:
             return self.tokenize_messages(conversation(prompt, chat), chat.template)
         assert prompt is not None
         tokens = self.model.tokenize(prompt)
-        if self.draft_prompts:  # a translated draft tokenizes the prompt its own way
-            self.draft_prompts.remember(tokens, self.draft_prompts.draft.tokenize(prompt))
+        if self.translation is not None:  # a translated draft tokenizes the prompt its own way
+            self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
         return tokens
 
     def tokenize_messages(self, messages: list[Message], template: str | None = None) -> list[int]:
         """A conversation's tokens in the target's chat format (`template`, or its own),
         and for a translated draft in the draft's own."""
         tokens = chat_tokens(self.model, render(self.model, messages, template))
-        if self.draft_prompts:
-            draft = self.draft_prompts.draft
-            self.draft_prompts.remember(tokens, own_chat_tokens(draft, messages))
+        if self.translation is not None:
+            draft = self.translation.draft
+            self.translation.remember(tokens, own_chat_tokens(draft, messages))
         return tokens
 
     def pieces(

@@ -218,17 +218,9 @@ class TranslatedDrafter:
 
     name = ModelDrafter.name
 
-    def __init__(
-        self,
-        model: ModelDrafter,
-        target: Model,
-        draft: Model,
-        shared: SharedVocab,
-        draft_prompts: DraftPrompts,
-    ) -> None:
+    def __init__(self, model: ModelDrafter, translation: Translation) -> None:
         self.model, self.ctx = model, model.ctx
-        self.target, self.draft = target, draft
-        self.shared, self.draft_prompts = shared, draft_prompts
+        self.translation = translation
         self.sampling = model.sampling
         # What the draft's memory should hold: its own prompt, then the accepted text
         # tokenized by its tokenizer; `done` target tokens of that text are in it, but
@@ -240,13 +232,13 @@ class TranslatedDrafter:
         self._pending = b""
         # Running averages of bytes per token, to draft enough draft tokens for k
         # target tokens (a 512-token draft vocabulary writes shorter tokens than 262k).
-        self._target_bytes, self._draft_bytes = bytes_per_token(target), bytes_per_token(draft)
+        self._target_bytes, self._draft_bytes = translation.target_bytes, translation.draft_bytes
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         if sampling is not None:
             self.sampling = sampling
-        self.model.banned = None if self.sampling.greedy else self.shared.banned
-        self._sequence = self.draft_prompts.draft_tokens(prompt)
+        self.model.banned = None if self.sampling.greedy else self.translation.shared.banned
+        self._sequence = self.translation.draft_tokens(prompt)
         self._base, self._prompt_length = len(self._sequence), len(prompt)
         self._done, self._pending = 0, b""
         self.model.begin(self._sequence, sampling)
@@ -271,8 +263,9 @@ class TranslatedDrafter:
             return self._string_match(tokens, sequence, k, room, rng, keep_drafting)
         draft = self.model.propose(sequence, min(k, room), rng, keep_drafting, shape)
         # Every token drawn is a shared one: the same text, one target token each.
-        draft.tokens = self.shared.map_tokens(draft.tokens)
-        draft.dists = [self.shared.map_dist(q) for q in draft.dists]
+        shared = self.translation.shared
+        draft.tokens = shared.map_tokens(draft.tokens)
+        draft.dists = [shared.map_dist(q) for q in draft.dists]
         return draft
 
     def _string_match(
@@ -292,43 +285,49 @@ class TranslatedDrafter:
         ours = self.model.propose(sequence, max(1, min(wanted, 4 * k, room)), rng, keep_drafting)
         texts = []
         for token in ours.tokens:
-            piece = token_text(self.draft, token)
+            piece = self.translation.draft_text(token)
             if piece is None:
                 break
             texts.append(piece)
         text = b"".join(texts)
         if texts:
             self._draft_bytes += 0.1 * (len(text) / len(texts) - self._draft_bytes)
-        translated = tokens_after(self.target, tokens, first_valid_text(text))
+        translated = tokens_after(self.translation.target, tokens, first_valid_text(text))
         theirs = translated[1][:-1][:k] if translated else []
         return Draft(tokens=theirs, calls=ours.calls, source=self.name)
 
     def _follow(self, tokens: list[int]) -> list[int]:
-        """The draft's own tokens for the prompt and the text the target accepted."""
+        """The draft's own tokens for the prompt and the text the target accepted,
+        brought up to date in place (the sequence is as long as the text)."""
         new = tokens[self._prompt_length + self._done :]
         if new:
-            piece = self.target.piece
+            piece = self.translation.target.piece
             added = b"".join(piece(t) for t in new)
             self._target_bytes += 0.1 * (len(added) / len(new) - self._target_bytes)
             self._pending += added
             self._done += len(new)
         text, used = whole_text(self._pending)
         if text:
+            draft = self.translation.draft
             back = min(MOST_MERGED, len(self._sequence) - self._base)
-            joined = tokens_after(self.draft, self._sequence, text, back)
+            joined = tokens_after(draft, self._sequence, text, back)
             if joined is None:  # text its tokenizer does not spell back (an unknown character)
-                joined = len(self._sequence), self.draft.tokenize(text, False, False)
+                joined = len(self._sequence), draft.tokenize(text, False, False)
             kept, fresh = joined
-            self._sequence = self._sequence[:kept] + fresh
+            del self._sequence[kept:]
+            self._sequence += fresh
             self._pending = self._pending[used:]
         return self._sequence
 
 
-class DraftPrompts:
-    """Each prompt as the draft tokenizes it, in its own chat format: the engine
-    remembers both models' tokens when it tokenizes a prompt; a prompt it did not
-    tokenize (token ids from the API) reaches the draft as its text, control tokens
-    left out."""
+class Translation:
+    """What translating one draft model's drafts for one target takes, worked out once
+    per pair of models: the token texts they share, how many bytes a token of each
+    spells, and each prompt as the draft tokenizes it, in its own chat format.
+
+    The engine remembers both models' tokens of a prompt when it tokenizes one; a
+    prompt it did not tokenize (token ids from the API) reaches the draft as its text,
+    control tokens left out."""
 
     # Prompts remembered, the oldest forgotten first: more than a server's queue holds
     # (a prompt is tokenized when its request arrives, and drafted from when it runs).
@@ -336,8 +335,23 @@ class DraftPrompts:
 
     def __init__(self, target: Model, draft: Model) -> None:
         self.target, self.draft = target, draft
+        self.shared = SharedVocab.load(target, draft)
+        self.target_bytes, self.draft_bytes = bytes_per_token(target), bytes_per_token(draft)
+        self._draft_texts: dict[int, bytes | None] = {}
         self._known: dict[tuple[int, ...], list[int]] = {}
         self._lock = threading.Lock()  # the server tokenizes in helper threads
+
+    @property
+    def calls_per_token(self) -> float:
+        """Draft tokens (draft calls) that spell the text of one target token."""
+        return self.target_bytes / self.draft_bytes
+
+    def draft_text(self, token: int) -> bytes | None:
+        """token_text of a draft token, looked up once (a drafted token is asked every
+        round it is drafted)."""
+        if token not in self._draft_texts:
+            self._draft_texts[token] = token_text(self.draft, token)
+        return self._draft_texts[token]
 
     def remember(self, target_tokens: list[int], draft_tokens: list[int]) -> None:
         with self._lock:

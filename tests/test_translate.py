@@ -173,7 +173,7 @@ def test_greedy_translated_equals_target_only(
     """The same model under shuffled ids: every translated draft token can be taken."""
     reference = target_only(shuffled, PROMPT)
     with open_engine(shuffled, stories260k, k, tree=tree) as engine:
-        assert engine.shared is not None
+        assert engine.translation is not None
         decoder = engine.make_decoder("model", k)
         out, stats = generate(engine, 48, decoder=decoder, prompt=engine.tokenize(PROMPT))
     assert out == reference
@@ -274,9 +274,9 @@ def test_each_model_reads_a_chat_in_its_own_format(shuffled: Path, stories260k: 
     with open_engine(shuffled, stories260k) as engine:
         chat = ChatOptions(system="Be brief.", template="chatml")
         tokens = engine.tokenize("What is a cat?", chat)
-        assert engine.draft_prompts is not None
-        draft_tokens = engine.draft_prompts.draft_tokens(tokens)
-        draft = engine.draft_prompts.draft
+        assert engine.translation is not None
+        draft_tokens = engine.translation.draft_tokens(tokens)
+        draft = engine.translation.draft
         assert spell(engine.model, tokens).count(b"im_start") == 3
         assert spell(draft, draft_tokens).strip() == b"Be brief.\n\nWhat is a cat?"
 
@@ -311,8 +311,8 @@ def test_auto_prices_a_translated_draft_by_its_calls(
     """Gemma 4's tokens are about twice as long as stories260K's: each target token
     drafted takes about two draft calls, and -k auto's costs say so."""
     with open_engine(real_vocab_pair("gemma-4")[0], stories260k, "auto") as engine:
-        assert engine.draft_prompts is not None
-        calls = bytes_per_token(engine.model) / bytes_per_token(engine.draft_prompts.draft)
+        assert engine.translation is not None
+        calls = bytes_per_token(engine.model) / bytes_per_token(engine.translation.draft)
         costs = engine.costs()
         length = engine.make_decoder("model", "auto").length
         priced = length.costs.draft_seconds / costs.target_seconds
