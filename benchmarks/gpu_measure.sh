@@ -144,8 +144,8 @@ stage_cpu() {
 CURVE_PY='
 import statistics, sys
 from pathlib import Path
-from specdec_cli.costmodel import measure_costs
-from specdec_cli.llama import Context, ContextParams, Model, ModelParams, init_backend
+from specdec_cli.decoding.costmodel import measure_costs
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams, init_backend
 
 init_backend()
 

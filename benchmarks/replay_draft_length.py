@@ -24,13 +24,14 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec_cli.bench import BUILTIN_PROMPTS
-from specdec_cli.costmodel import Costs, verify_cost
-from specdec_cli.drafters import Draft
-from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions
-from specdec_cli.sampling import GREEDY
-from specdec_cli.stats import Stats
+from specdec_cli.commands.bench import BUILTIN_PROMPTS
+from specdec_cli.decoding.costmodel import Costs, verify_cost
+from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DRAFT = REPO.parent / "shared" / "models" / "stories260K.gguf"

@@ -52,13 +52,14 @@ from replay_draft_length import (  # noqa: E402
     round_cost,
 )
 
-from specdec_cli.bench import BUILTIN_PROMPTS  # noqa: E402
-from specdec_cli.costmodel import Costs, verify_cost  # noqa: E402
-from specdec_cli.drafters import Draft, Drafter, NgramDrafter  # noqa: E402
-from specdec_cli.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
-from specdec_cli.engine import AUTO_TREE_NODES, DraftOptions, Engine  # noqa: E402
-from specdec_cli.sampling import verify_tree_greedy  # noqa: E402
-from specdec_cli.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
+from specdec_cli.commands.bench import BUILTIN_PROMPTS  # noqa: E402
+from specdec_cli.decoding.costmodel import Costs, verify_cost  # noqa: E402
+from specdec_cli.decoding.drafters import Draft, Drafter, NgramDrafter  # noqa: E402
+from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
+from specdec_cli.decoding.engine import Engine  # noqa: E402
+from specdec_cli.decoding.sampling import verify_tree_greedy  # noqa: E402
+from specdec_cli.decoding.settings import AUTO_TREE_NODES, DraftOptions  # noqa: E402
+from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
 
 DEFAULT_TARGET = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
 MAX_K = DraftOptions().draft_max  # chains up to -k auto's longest draft (16)

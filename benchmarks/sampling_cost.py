@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from specdec_cli.sampling import SamplingParams, distribution, residual
+from specdec_cli.decoding.sampling import SamplingParams, distribution, residual
 
 SETTINGS = {
     "greedy (argmax)": SamplingParams(temp=0.0),

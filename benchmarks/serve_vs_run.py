@@ -25,7 +25,7 @@ import time
 
 import httpx
 
-from specdec_cli.bench import BUILTIN_PROMPTS
+from specdec_cli.commands.bench import BUILTIN_PROMPTS
 
 STARTUP_SECONDS = 600
 

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from specdec_cli.bench import BUILTIN_PROMPTS
+from specdec_cli.commands.bench import BUILTIN_PROMPTS
 
 LLAMA_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 # llama-completion's decode line (its prompt's is "prompt eval time")

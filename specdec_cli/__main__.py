@@ -4,12 +4,12 @@ Ctrl-C is taken over before anything heavy is imported: importing llama.cpp and
 numpy takes a while, and a Ctrl-C then must not end in a traceback.
 """
 
-from specdec_cli import interrupt
+from specdec_cli.commands import interrupt
 
 
 def main() -> None:
     interrupt.install()
-    from specdec_cli.cli import main as cli_main
+    from specdec_cli.commands.cli import main as cli_main
 
     cli_main()
 

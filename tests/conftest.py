@@ -37,7 +37,7 @@ from ggufgen import (
     write_gguf,
 )
 
-from specdec_cli.llama import Model, init_backend
+from specdec_cli.llamacpp.llama import Model, init_backend
 
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
 # The draft is the target's first DRAFT_LAYERS layers. The target's later layers

@@ -7,17 +7,17 @@ from pathlib import Path
 import pytest
 from starlette.testclient import TestClient
 
-from specdec_cli.api import (
+from specdec_cli.decoding.sampling import SamplingParams
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.models.chat import Message
+from specdec_cli.serve.api import (
     ApiError,
     ServeOptions,
     Speculation,
     parse_body,
     parse_request,
 )
-from specdec_cli.chat import Message
-from specdec_cli.engine import EngineOptions
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.server import Api, Service
+from specdec_cli.serve.server import Api, Service
 
 SERVER = SamplingParams(temp=0.7, top_k=7, top_p=0.9, min_p=0.1)
 

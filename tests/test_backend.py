@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 from test_cli_run import assert_user_error, specdec
 
-from specdec_cli import backend, engine, rowexp
-from specdec_cli.backend import Device, pick_devices
-from specdec_cli.engine import Engine, EngineOptions, model_params, offload_warning
+from specdec_cli.decoding import loading, settings
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.loading import model_params, offload_warning
+from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.errors import UserError
-from specdec_cli.llama import ModelParams
+from specdec_cli.llamacpp import backend, rowexp
+from specdec_cli.llamacpp.backend import Device, pick_devices
+from specdec_cli.llamacpp.llama import ModelParams
 
 GPUS = [Device("CUDA0", "NVIDIA A", 0x1000, 8 << 30, 6 << 30), Device("CUDA1", "NVIDIA B", 0x2000)]
 
@@ -82,8 +85,8 @@ def test_model_params_reach_llama_model_params(monkeypatch: pytest.MonkeyPatch) 
 
 def test_the_draft_device_follows_the_target_s_unless_given() -> None:
     options = EngineOptions(Path("t.gguf"), device="CUDA0")
-    assert engine._draft_device(options) == ("CUDA0", "-dev")
-    assert engine._draft_device(EngineOptions(Path("t.gguf"), device_draft="CUDA1")) == (
+    assert loading._draft_device(options) == ("CUDA0", "-dev")
+    assert loading._draft_device(EngineOptions(Path("t.gguf"), device_draft="CUDA1")) == (
         "CUDA1",
         "-devd",
     )
@@ -113,7 +116,7 @@ def test_offload_warning(
 
 @pytest.mark.parametrize(("value", "layers"), [("auto", -1), ("all", -1), ("0", 0), ("33", 33)])
 def test_parse_gpu_layers(value: str, layers: int) -> None:
-    assert engine.parse_gpu_layers(value) == layers
+    assert settings.parse_gpu_layers(value) == layers
 
 
 def test_engine_loads_with_no_offload_devices(target_model: Path) -> None:

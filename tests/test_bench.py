@@ -12,10 +12,10 @@ import pytest
 from test_cli_run import assert_user_error, specdec
 
 import specdec_cli
-from specdec_cli.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
-from specdec_cli.costmodel import Costs
-from specdec_cli.machine import cpu_name
-from specdec_cli.stats import FlashAttnChoice, Stats
+from specdec_cli.commands.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.stats import FlashAttnChoice, Stats
+from specdec_cli.llamacpp.machine import cpu_name
 
 # --- BenchReport on hand-made Stats (no model) ---
 
@@ -329,7 +329,7 @@ def test_bench_checks_output_paths_before_measuring(target_model: Path, tmp_path
 
 def test_plot_speed_axis_from_zero_and_auto_as_a_point() -> None:
     plt = pytest.importorskip("matplotlib.pyplot")
-    from specdec_cli.display import plot_figure
+    from specdec_cli.commands.display import plot_figure
 
     runs = [
         speculative(150.0, 0.6),

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import chat
-from specdec_cli.chat import ChatOptions, Message
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Model
+from specdec_cli.llamacpp.llama import Model
+from specdec_cli.models import chat
+from specdec_cli.models.chat import ChatOptions, Message
 
 CONVERSATION = [
     Message("system", "You are terse."),

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from specdec_cli import cli
-from specdec_cli.bench import BenchOptions
-from specdec_cli.engine import Engine
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.commands import cli
+from specdec_cli.commands.bench import BenchOptions
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import SamplingParams
 
 
 def specdec(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:

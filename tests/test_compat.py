@@ -15,14 +15,14 @@ from gguf import GGUFValue, TokenType
 from ggufgen import Vocab, padded, spm_vocab
 from test_gguf_meta import flag, tiny_model, u32
 
-from specdec_cli.compat import (
+from specdec_cli.llamacpp.llama import VocabInfo, init_backend, read_vocab
+from specdec_cli.models.compat import (
     CompatReport,
     ModelFacts,
     check_pair,
     is_padding_token,
     read_facts,
 )
-from specdec_cli.llama import VocabInfo, init_backend, read_vocab
 
 NORMAL, CONTROL, UNUSED = int(TokenType.NORMAL), int(TokenType.CONTROL), int(TokenType.UNUSED)
 N_VOCAB = len(spm_vocab())  # 495

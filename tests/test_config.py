@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli.config import Config, ModelSpec, PairSpec, default_config_path, load_config
 from specdec_cli.errors import UserError
+from specdec_cli.models.config import Config, ModelSpec, PairSpec, default_config_path, load_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import backend, costcache
-from specdec_cli.costmodel import Costs
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions
-from specdec_cli.sampling import GREEDY
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.llamacpp import backend, costcache
 
 COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
 

@@ -9,7 +9,7 @@ import llama_cpp
 import numpy as np
 import pytest
 
-from specdec_cli.costmodel import (
+from specdec_cli.decoding.costmodel import (
     Costs,
     best_expected_k,
     expected_speedup,
@@ -17,7 +17,7 @@ from specdec_cli.costmodel import (
     ideal_speedup,
     measure_costs,
 )
-from specdec_cli.llama import Context, ContextParams, Model, init_backend
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model, init_backend
 
 # --- expected_tokens_per_pass: 1 + alpha + ... + alpha^k ---
 

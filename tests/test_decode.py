@@ -28,15 +28,17 @@ from ggufgen import (
 )
 from scipy.stats import chi2_contingency, chisquare
 
-from specdec_cli.bench import BUILTIN_PROMPTS
-from specdec_cli.costmodel import Costs
-from specdec_cli.decode import Decoder
-from specdec_cli.drafters import Draft, NgramDrafter
-from specdec_cli.draftlength import AutoLength, FixedLength
-from specdec_cli.engine import VERBATIM_PRIOR, DraftOptions, Engine, EngineOptions
-from specdec_cli.probe import choose_repack
-from specdec_cli.sampling import GREEDY, SamplingParams, distribution
-from specdec_cli.stats import Stats
+from specdec_cli.commands.bench import BUILTIN_PROMPTS
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.drafters import Draft, NgramDrafter
+from specdec_cli.decoding.draftlength import AutoLength, FixedLength
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.policy import VERBATIM_PRIOR
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp.probe import choose_repack
 
 PROMPT = "Once upon a time"
 K_VALUES = [1, 2, 4, 8, "auto"]
@@ -583,7 +585,7 @@ def test_matches_llama_cpp_python_greedy(stories260k: Path) -> None:
 def llama_cpp_greedy(path: Path, prompt: list[int], n: int, flash_attn: str) -> list[int]:
     """llama-cpp-python's own high-level greedy generation (Llama.generate at temp 0), n
     tokens. Its Llama cannot load without repacked weights: skip where specdec finds
-    them unsafe (quantized models crash on some AMX CPUs, see specdec_cli.probe)."""
+    them unsafe (quantized models crash on some AMX CPUs, see specdec_cli.llamacpp.probe)."""
     import llama_cpp
 
     if not choose_repack(None)[0]:

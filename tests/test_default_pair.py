@@ -12,8 +12,8 @@ from pathlib import Path
 
 from test_hub import NETWORK_GUARD, FakeHub, add_to_cache, fake_hub, hub_home, no_network
 
-from specdec_cli.config import DEFAULT_PAIR, PairSpec, builtin_config, load_config
-from specdec_cli.models import default_pair
+from specdec_cli.models.config import DEFAULT_PAIR, PairSpec, builtin_config, load_config
+from specdec_cli.models.resolve import default_pair
 
 __all__ = ["fake_hub", "hub_home", "no_network"]  # fixtures, used by name
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec_cli.drafters import Draft, LookupThenModel, NgramDrafter
+from specdec_cli.decoding.drafters import Draft, LookupThenModel, NgramDrafter
 
 RNG = np.random.default_rng(0)
 

@@ -6,9 +6,9 @@ import itertools
 
 import numpy as np
 
-from specdec_cli.costmodel import Costs
-from specdec_cli.drafters import Draft
-from specdec_cli.draftlength import AutoLength, Calibration, FixedLength
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draftlength import AutoLength, Calibration, FixedLength
 
 # A target pass over n tokens costs 1 + 0.1 (n - 1) of one token (memory-bound), a draft
 # call 0.05: long drafts are cheap, so acceptance alone decides.

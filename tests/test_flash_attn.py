@@ -10,12 +10,13 @@ import pytest
 from test_cli_run import GREEDY as GREEDY_FLAGS
 from test_cli_run import specdec
 
-from specdec_cli import engine
-from specdec_cli.costmodel import faster_flash_attn
-from specdec_cli.engine import Engine, EngineOptions
-from specdec_cli.llama import ContextParams
-from specdec_cli.sampling import GREEDY
-from specdec_cli.stats import FlashAttnChoice, Stats
+from specdec_cli.decoding import loading
+from specdec_cli.decoding.costmodel import faster_flash_attn
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.decoding.stats import FlashAttnChoice, Stats
+from specdec_cli.llamacpp.llama import ContextParams
 
 
 @pytest.fixture
@@ -23,12 +24,12 @@ def contexts_made(monkeypatch: pytest.MonkeyPatch) -> list[ContextParams]:
     """The ContextParams of every context the engine makes, in order."""
     made: list[ContextParams] = []
 
-    class RecordingContext(engine.Context):
-        def __init__(self, model: engine.Model, params: ContextParams) -> None:
+    class RecordingContext(loading.Context):
+        def __init__(self, model: loading.Model, params: ContextParams) -> None:
             made.append(params)
             super().__init__(model, params)
 
-    monkeypatch.setattr(engine, "Context", RecordingContext)
+    monkeypatch.setattr(loading, "Context", RecordingContext)
     return made
 
 

@@ -13,9 +13,9 @@ from conftest import VOCAB_FAMILIES
 from gguf import GGUFValue, GGUFValueType, TokenType
 from ggufgen import HParams, Vocab, llama_metadata, spm_vocab, write_gguf
 
-from specdec_cli import gguf_meta
 from specdec_cli.errors import UserError
-from specdec_cli.gguf_meta import GGUFFile, Skipped, check_gguf, read_gguf
+from specdec_cli.models import gguf_meta
+from specdec_cli.models.gguf_meta import GGUFFile, Skipped, check_gguf, read_gguf
 
 TINY = HParams(n_embd=8, n_layer=2, n_ctx_train=128)
 

@@ -20,7 +20,7 @@ from huggingface_hub.utils import httpx as hub_http  # httpx2 in huggingface-hub
 from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
 
 from specdec_cli.errors import UserError
-from specdec_cli.hub import fetch_gguf, is_hub_ref
+from specdec_cli.models.hub import fetch_gguf, is_hub_ref
 
 COMMIT = "3f2a1c0e9b8d7c6a5f4e3d2c1b0a99887766554f"
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)  # v3, no tensors, no metadata
@@ -242,7 +242,7 @@ def test_env_vars_are_honoured_by_a_fresh_process(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     snapshot = add_to_cache(cache, "owner/repo", ["m-Q8_0.gguf"])
     code = NETWORK_GUARD + textwrap.dedent("""
-        from specdec_cli.hub import fetch_gguf
+        from specdec_cli.models.hub import fetch_gguf
         print(fetch_gguf("owner/repo:Q8_0"))
     """)
     env = {**os.environ, "HF_HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(cache)}

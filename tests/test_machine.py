@@ -9,8 +9,8 @@ import psutil
 import pytest
 from platformdirs.macos import MacOS
 
-from specdec_cli import costcache, machine
-from specdec_cli.config import default_config_path
+from specdec_cli.llamacpp import costcache, machine
+from specdec_cli.models.config import default_config_path
 
 
 class FakeProcess:

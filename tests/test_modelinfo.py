@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_gguf_meta import string, tiny_model
 
-from specdec_cli import modelinfo
-from specdec_cli.cli import main
-from specdec_cli.compat import read_facts
+from specdec_cli.commands import modelinfo
+from specdec_cli.commands.cli import main
+from specdec_cli.models.compat import read_facts
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import models
-from specdec_cli.config import load_config
 from specdec_cli.errors import UserError
-from specdec_cli.models import locate_draft, locate_model
+from specdec_cli.models import resolve
+from specdec_cli.models.config import load_config
+from specdec_cli.models.resolve import locate_draft, locate_model
 
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)  # v3, no tensors, no metadata
 
@@ -30,7 +30,7 @@ def hub_calls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> list[str]:
         calls.append(ref)
         return downloaded
 
-    monkeypatch.setattr(models, "fetch_gguf", fake_fetch)
+    monkeypatch.setattr(resolve, "fetch_gguf", fake_fetch)
     return calls
 
 

@@ -1,4 +1,4 @@
-"""The engine flags, declared once (specdec_cli.options) for every command that loads
+"""The engine flags, declared once (specdec_cli.commands.options) for every command that loads
 models: each command offers them, in one block, and receives what was given."""
 
 import sys
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import typer.main
 
-from specdec_cli.cli import app, main
-from specdec_cli.options import ENGINE_FLAGS
+from specdec_cli.commands.cli import app, main
+from specdec_cli.commands.options import ENGINE_FLAGS
 
 MODEL_COMMANDS = ["run", "bench", "serve"]
 

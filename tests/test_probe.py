@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from specdec_cli import engine, machine, probe
-from specdec_cli.engine import Engine, EngineOptions
-from specdec_cli.gguf_meta import read_gguf
-from specdec_cli.probe import Verdict, choose_repack, run_probe
-from specdec_cli.sampling import GREEDY
+from specdec_cli.decoding import loading
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.llamacpp import machine, probe
+from specdec_cli.llamacpp.probe import Verdict, choose_repack, run_probe
+from specdec_cli.models.gguf_meta import read_gguf
 
 AMX_FLAGS = frozenset({"avx512f", "amx_tile", "amx_int8", "amx_bf16"})
 DIED = Verdict(False, "died with SIGILL")
@@ -91,14 +93,14 @@ def test_the_verdict_is_cached_per_cpu_and_build(
 def test_engine_loads_without_repack_where_the_probe_died(
     cache: Path, probes: list[Verdict], target_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    loaded: list[engine.ModelParams] = []
+    loaded: list[loading.ModelParams] = []
 
-    class RecordingModel(engine.Model):
-        def __init__(self, path: Path, params: engine.ModelParams) -> None:
+    class RecordingModel(loading.Model):
+        def __init__(self, path: Path, params: loading.ModelParams) -> None:
             loaded.append(params)
             super().__init__(path, params)
 
-    monkeypatch.setattr(engine, "Model", RecordingModel)
+    monkeypatch.setattr(loading, "Model", RecordingModel)
     probes.append(DIED)
     options = EngineOptions(target_model, n_ctx=64, threads=1, sampling=GREEDY, flash_attn="off")
     with Engine(options) as quirky:

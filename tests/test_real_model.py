@@ -23,11 +23,12 @@ from gguf import GGUFReader
 from test_cli_run import specdec
 from test_server import start
 
-from specdec_cli.chat import Message, chat_tokens, render
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions
-from specdec_cli.llama import Context, ContextParams, Model
-from specdec_cli.sampling import GREEDY
-from specdec_cli.stats import Stats
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model
+from specdec_cli.models.chat import Message, chat_tokens, render
 
 N = 64
 # How far llama.cpp's kernels move a logit of this model between batch shapes: near-ties

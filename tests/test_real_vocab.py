@@ -17,14 +17,14 @@ from conftest import VOCAB_FAMILIES, real_vocab_tensors, write_real_vocab_pair
 from ggufgen import RealVocab
 from test_decode import PROMPT, generate, llama_cpp_greedy, open_engine
 
-from specdec_cli.decode import Decoder
-from specdec_cli.drafters import ModelDrafter
-from specdec_cli.draftlength import FixedLength
-from specdec_cli.engine import Engine
-from specdec_cli.llama import Model, init_backend
-from specdec_cli.sampling import SamplingParams
-from specdec_cli.stats import Stats
-from specdec_cli.textstream import TextStream
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.drafters import ModelDrafter
+from specdec_cli.decoding.draftlength import FixedLength
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import SamplingParams
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.decoding.textstream import TextStream
+from specdec_cli.llamacpp.llama import Model, init_backend
 
 N_TOKENS = 32
 Opened = TypeVar("Opened", Model, Engine)

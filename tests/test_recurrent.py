@@ -23,7 +23,7 @@ from test_decode import (
     target_only,
 )
 
-from specdec_cli.llama import Context, ContextParams, Model
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model
 
 K_VALUES = [1, 3, 8, "auto"]
 FAMILIES = ["mamba", "hybrid"]

@@ -11,10 +11,11 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from specdec_cli.drafters import Draft, ModelDrafter
-from specdec_cli.engine import DraftOptions, Engine, EngineOptions
-from specdec_cli.sampling import GREEDY
-from specdec_cli.stats import Stats
+from specdec_cli.decoding.drafters import Draft, ModelDrafter
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
 
 N_PREDICT = 40
 

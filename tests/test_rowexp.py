@@ -8,9 +8,10 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from specdec_cli import rowexp, sampling
-from specdec_cli.rowexp import ExpSum, numpy_exp_sum
-from specdec_cli.sampling import SamplingParams, distribution
+from specdec_cli.decoding import sampling
+from specdec_cli.decoding.sampling import SamplingParams, distribution
+from specdec_cli.llamacpp import rowexp
+from specdec_cli.llamacpp.rowexp import ExpSum, numpy_exp_sum
 
 
 @pytest.fixture(autouse=True)

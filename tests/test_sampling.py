@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specdec_cli import sampling
-from specdec_cli.sampling import (
+from specdec_cli.decoding import sampling
+from specdec_cli.decoding.sampling import (
     NEAR_MARGINS,
     DenseDist,
     Dist,

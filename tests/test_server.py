@@ -23,9 +23,10 @@ import numpy as np
 import openai
 import pytest
 
-from specdec_cli.engine import Engine, EngineOptions
-from specdec_cli.sampling import GREEDY
-from specdec_cli.stats import Stats
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.decoding.stats import Stats
 
 ROOT = Path(__file__).resolve().parents[1]
 KEY = "test-key"
@@ -114,11 +115,12 @@ def server(
 def plain_server(
     tmp_path_factory: pytest.TempPathFactory, target_model: Path
 ) -> Iterator[ServerProcess]:
-    """N-gram lookup only, no key, no CORS, nobody may wait behind a generation, and a
+    """N-gram lookup only, no key, no CORS, one slot and nobody may wait for it, and a
     long context: a generation that fills it lasts long enough to be interrupted. Greedy
     unless asked: the page sends no temperature, and a sampled reply (a random seed)
     sometimes accepted no draft token at all."""
-    args = ["-m", str(target_model), "-d", "ngram", "--queue", "0", "--chat-template", "chatml"]
+    args = ["-m", str(target_model), "-d", "ngram", "-np", "1", "--queue", "0"]
+    args += ["--chat-template", "chatml"]
     args += ["-c", str(LONG_CONTEXT), "--temp", "0"]
     proc = start(tmp_path_factory.mktemp("serve-plain"), *args)
     yield proc
@@ -281,6 +283,32 @@ def test_concurrent_streams_each_get_their_own_text(server: ServerProcess, greed
     with ThreadPoolExecutor(8) as pool:
         texts = list(pool.map(ask, prompts))
     assert texts == [greedy(p, 6) for p in prompts]
+
+
+def test_slots_and_metrics_agree_with_what_was_sent(http: httpx.Client) -> None:
+    """4 requests at once on a server of 4 slots: /metrics counts them, their tokens and
+    the decode calls that held several slots; /slots shows every slot idle again."""
+    names = ["requests_total", "generation_tokens_total", "decode_total"]
+    before = {name: metric(http, f"specdec:{name}") for name in names}
+
+    def ask(i: int) -> int:
+        body = {"prompt": f"{PROMPT} {i}", "max_tokens": 12, "temperature": 0}
+        return http.post("/v1/completions", json=body).json()["usage"]["completion_tokens"]
+
+    with ThreadPoolExecutor(4) as pool:
+        tokens = sum(pool.map(ask, range(4)))
+    assert wait_for_metric(http, "specdec:requests_total", before["requests_total"] + 4)
+    assert (
+        metric(http, "specdec:generation_tokens_total")
+        == before["generation_tokens_total"] + tokens
+    )
+    assert metric(http, "specdec:decode_total") > before["decode_total"]
+    assert metric(http, "specdec:n_busy_slots_per_decode") > 1.0  # some calls held several
+    assert metric(http, "specdec:requests_processing") == 0
+    slots = http.get("/slots").json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3]
+    assert all(s["state"] == "idle" and s["n_ctx"] > 0 for s in slots)
+    assert sum(s["n_cached"] > 0 for s in slots) >= 2  # the requests went to several slots
 
 
 BAD_BODIES: list[tuple[str, bytes]] = [
@@ -477,7 +505,7 @@ def test_cors_only_for_the_origin_given(server: ServerProcess, plain_server: Ser
 
 
 def test_busy_then_a_disconnect_stops_the_generation(plain_server: ServerProcess) -> None:
-    """--queue 0: a second request while one streams gets 503 with Retry-After; the first
+    """-np 1 --queue 0: a second request while one streams gets 503 with Retry-After; the first
     client hangs up and its generation stops (it asked for the whole context)."""
     url = plain_server.url
     with httpx.Client(timeout=60) as first:

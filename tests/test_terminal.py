@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 from test_cli_run import GREEDY, specdec
 
-from specdec_cli.display import stats_line
-from specdec_cli.stats import FlashAttnChoice, Stats
+from specdec_cli.commands.display import stats_line
+from specdec_cli.decoding.stats import FlashAttnChoice, Stats
 
 
 class Terminal:
@@ -123,7 +123,9 @@ def mark():
     sys.stderr.write("{MARK}\\n")
     sys.stderr.flush()
 """
-LOAD_IN = "import specdec_cli.llama as llama; llama.llama_cpp.llama_model_load_from_file = stall"
+LOAD_IN = (
+    "import specdec_cli.llamacpp.llama as llama; llama.llama_cpp.llama_model_load_from_file = stall"
+)
 IMPORT_IN = """
 import time
 class SlowImport:
@@ -216,7 +218,7 @@ def test_ctrl_c_while_generating_prints_the_stats(target_model: Path, tmp_path: 
     """A real SIGINT after 5 tokens: the text so far, the stats, exit 130."""
     stand_in = """
 import time
-from specdec_cli.engine import Engine
+from specdec_cli.decoding.engine import Engine
 real_pieces = Engine.pieces
 def slow_after_five(self, *args, **kwargs):
     for i, piece in enumerate(real_pieces(self, *args, **kwargs)):

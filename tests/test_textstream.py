@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specdec_cli.textstream import TextStream
+from specdec_cli.decoding.textstream import TextStream
 
 
 def feed(stream: TextStream, pieces: list[bytes]) -> list[str]:

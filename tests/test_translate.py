@@ -19,12 +19,12 @@ from test_decode import N_FIRST, SAMPLING, contingency, generate, open_engine
 from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
 
-from specdec_cli.chat import ChatOptions
-from specdec_cli.draftlength import AutoLength
-from specdec_cli.engine import TRANSLATED_PRIOR
-from specdec_cli.llama import Model
-from specdec_cli.stats import Stats
-from specdec_cli.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
+from specdec_cli.decoding.draftlength import AutoLength
+from specdec_cli.decoding.policy import TRANSLATED_PRIOR
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.decoding.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
+from specdec_cli.llamacpp.llama import Model
+from specdec_cli.models.chat import ChatOptions
 
 # Multi-byte characters of 2, 3 and 4 bytes, and text a story draft knows.
 PROMPT = "Once upon a time, a naïve cat — 日本の猫 🙂 — sat"

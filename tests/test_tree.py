@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 from test_decode import PROMPT, generate, open_engine
 
-from specdec_cli.bench import variants, widest_tree
-from specdec_cli.costmodel import Costs
-from specdec_cli.drafters import Draft, NgramDrafter, TreeShape
-from specdec_cli.engine import parse_tree
+from specdec_cli.commands.bench import variants, widest_tree
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.drafters import Draft, NgramDrafter, TreeShape
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import parse_tree
+from specdec_cli.decoding.treeshape import AutoTree, FixedTree, NodeOdds
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Context, ContextParams, Model
-from specdec_cli.sampling import GREEDY
-from specdec_cli.treeshape import AutoTree, FixedTree, NodeOdds
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model
 
 # A tree hanging from the last prompt token (index 0 of the call): three children, the
 # first with two of its own, the third with one.

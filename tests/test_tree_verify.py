@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 
-from specdec_cli.sampling import (
+from specdec_cli.decoding.sampling import (
     DenseDist,
     Dist,
     chain_parents,

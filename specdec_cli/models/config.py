@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from specdec_cli.errors import UserError
-from specdec_cli.hub import is_hub_ref
-from specdec_cli.machine import user_dir
+from specdec_cli.llamacpp.machine import user_dir
+from specdec_cli.models.hub import is_hub_ref
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -20,9 +20,9 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from specdec_cli.config import ModelSpec, PairSpec, load_config
-from specdec_cli.display import note
-from specdec_cli.engine import (
+from specdec_cli.commands.display import note
+from specdec_cli.decoding.sampling import SamplingParams
+from specdec_cli.decoding.settings import (
     DEFAULT_MAX_CTX,
     DraftOptions,
     EngineOptions,
@@ -32,9 +32,15 @@ from specdec_cli.engine import (
     parse_tree,
 )
 from specdec_cli.errors import UserError
-from specdec_cli.llama import builtin_chat_templates
-from specdec_cli.models import NO_DRAFT, OWN_MODELS, default_pair, locate_draft, locate_model
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.llamacpp.llama import builtin_chat_templates
+from specdec_cli.models.config import ModelSpec, PairSpec, load_config
+from specdec_cli.models.resolve import (
+    NO_DRAFT,
+    OWN_MODELS,
+    default_pair,
+    locate_draft,
+    locate_model,
+)
 
 
 def described(text: str, default: object) -> str:
@@ -66,7 +72,8 @@ CtxOpt = Annotated[
         min=0,
         metavar="N",
         help=described(
-            f"Context size in tokens (0: the model's own, at most {DEFAULT_MAX_CTX}).",
+            f"Context size in tokens, every slot's together (0: per slot, the model's own, "
+            f"at most {DEFAULT_MAX_CTX}).",
             EngineOptions.n_ctx,
         ),
     ),

@@ -11,10 +11,10 @@ from pathlib import Path
 
 from huggingface_hub import is_offline_mode
 
-from specdec_cli.config import DEFAULT_PAIR, Config, PairSpec, load_config
 from specdec_cli.errors import UserError
-from specdec_cli.gguf_meta import check_gguf
-from specdec_cli.hub import fetch_gguf, is_cached, is_hub_ref
+from specdec_cli.models.config import DEFAULT_PAIR, Config, PairSpec, load_config
+from specdec_cli.models.gguf_meta import check_gguf
+from specdec_cli.models.hub import fetch_gguf, is_cached, is_hub_ref
 
 NO_DRAFT = "none"  # `-d none`: run the target alone, as a baseline
 OWN_MODELS = "pass your own models: -m TARGET.gguf [-d DRAFT.gguf]"

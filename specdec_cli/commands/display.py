@@ -25,9 +25,9 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
-from specdec_cli.bench import BenchReport
+from specdec_cli.commands.bench import BenchReport
+from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
-from specdec_cli.stats import Stats
 
 
 def warn(message: str) -> None:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from bisect import bisect
 from typing import Protocol
 
-from specdec_cli.costmodel import Costs, verify_cost
-from specdec_cli.drafters import Draft
+from specdec_cli.decoding.costmodel import Costs, verify_cost
+from specdec_cli.decoding.drafters import Draft
 
 
 class DraftLength(Protocol):
@@ -334,6 +334,17 @@ class AutoLength:
             expected += survive
             rates.append(expected / self.costs.of(k, survive))
         return rates
+
+    def expected_tokens(self, top: int) -> list[float]:
+        """Expected tokens of a round drafting k tokens, for every k from 0 to `top`, on
+        the estimates as they stand (for fitting several slots' drafts to one batch)."""
+        survive = expected = 1.0
+        tokens = [expected]
+        for a in self.positions.estimates(top):
+            survive *= a
+            expected += survive
+            tokens.append(expected)
+        return tokens
 
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)

@@ -11,11 +11,11 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from specdec_cli.compat import CompatReport, ModelFacts, read_facts
-from specdec_cli.config import load_config
-from specdec_cli.llama import Model, init_backend
-from specdec_cli.models import locate_model
-from specdec_cli.translate import SharedVocab
+from specdec_cli.decoding.translate import SharedVocab
+from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
+from specdec_cli.models.config import load_config
+from specdec_cli.models.resolve import locate_model
 
 
 def load_model(ref: str, config_path: str | None = None, need_vocab: bool = True) -> ModelFacts:
@@ -119,8 +119,8 @@ def describe_build() -> dict[str, object]:
     """What `specdec info` shows without a model: the llama.cpp build and this machine."""
     from llama_cpp import __version__ as binding
 
-    from specdec_cli import backend, costcache, machine, rowexp
-    from specdec_cli.config import default_config_path
+    from specdec_cli.llamacpp import backend, costcache, machine, rowexp
+    from specdec_cli.models.config import default_config_path
 
     system_info = backend.system_info()
     return {

@@ -15,9 +15,9 @@ from typing import Protocol
 
 import numpy as np
 
-from specdec_cli.llama import Context
-from specdec_cli.rowexp import exp_sum
-from specdec_cli.sampling import Dist, SamplingParams, chain_parents, distribution
+from specdec_cli.decoding.sampling import Dist, SamplingParams, chain_parents, distribution
+from specdec_cli.llamacpp.llama import Context
+from specdec_cli.llamacpp.rowexp import exp_sum
 
 
 @dataclass

@@ -27,10 +27,10 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from specdec_cli import costcache
-from specdec_cli.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
-from specdec_cli.llama import Model
-from specdec_cli.sampling import Dist, SamplingParams
+from specdec_cli.decoding.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
+from specdec_cli.decoding.sampling import Dist, SamplingParams
+from specdec_cli.llamacpp import costcache
+from specdec_cli.llamacpp.llama import Model
 
 # Plain English, to compare how many tokens each vocabulary spends on the same text.
 SAMPLE_TEXT = (

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 import numpy as np
 import typer
 
-from specdec_cli import interrupt
-from specdec_cli.chat import ChatOptions
-from specdec_cli.display import make_display, note, warn
-from specdec_cli.engine import Engine, EngineOptions, GenerationOptions, Piece
-from specdec_cli.stats import Stats
+from specdec_cli.commands import interrupt
+from specdec_cli.commands.display import make_display, note, warn
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.pieces import Piece
+from specdec_cli.decoding.settings import EngineOptions, GenerationOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.models.chat import ChatOptions
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from specdec_cli.llama import Context
+    from specdec_cli.llamacpp.llama import Context
 
 
 def verify_cost(verify: Mapping[int, float], n: int) -> float:

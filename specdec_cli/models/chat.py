@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import UserError
-from specdec_cli.llama import Model, apply_chat_template, builtin_chat_templates
+from specdec_cli.llamacpp.llama import Model, apply_chat_template, builtin_chat_templates
 
 ROLES = ("system", "user", "assistant", "tool")
 # OpenAI's newer name for the system role; llama.cpp maps it the same way (common/chat.cpp).

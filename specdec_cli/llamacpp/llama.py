@@ -9,6 +9,7 @@ llama.cpp's own view of a vocabulary and its chat-template formatting.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import time
 from collections.abc import Sequence
@@ -27,7 +28,6 @@ FLASH_ATTN = {
 }
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequences in one context (llama-cparams.h)
-_SEQ = 0  # the accepted sequence; tree drafting adds branches beside it for one round
 
 
 @llama_cpp.llama_log_callback
@@ -246,8 +246,8 @@ class ContextParams:
 
 
 class Context:
-    """One model's inference state: its memory holds the accepted token sequence, and
-    for one round at a time the branches of a draft tree.
+    """One model's inference state for one sequence: the memory holds the accepted token
+    sequence, and for one round at a time the branches of a draft tree.
 
     `decode` is the only way tokens enter the memory; `rewind` and `keep_branch` are
     the ways they leave. Attention caches drop any suffix. A recurrent state (Mamba,
@@ -256,12 +256,17 @@ class Context:
     Time spent inside llama.cpp's decode is summed in `decode_seconds`, so callers can
     tell the engine's cost from their own.
 
-    Trees: a token of the accepted sequence is in sequence 0. A tree's branches are
-    sequences 1, 2, ... that share those cells (a unified KV cache); each tree token
-    carries the ids of every branch through it, and llama.cpp lets it attend only to
-    cells of its own branch. After verification, `keep_branch` turns the accepted path
-    back into sequence 0 and drops everything else, as llama.cpp's examples/speculative
-    does with llama_memory_seq_keep / seq_cp.
+    Trees: a token of the accepted sequence is in the context's own sequence (`seq`). A
+    tree's branches are the sequences after it, seq + 1, seq + 2, ..., which share
+    those cells (a unified KV cache); each tree token carries the ids of every branch
+    through it, and llama.cpp lets it attend only to cells of its own branch. After
+    verification, `keep_branch` turns the accepted path back into `seq` and drops
+    everything else, as llama.cpp's examples/speculative does with seq_keep / seq_cp.
+
+    Slots: `split(n)` gives n contexts over the same llama.cpp context (one per
+    generation running at once), each with its own sequences and an n-th of the cells.
+    Each `stage`s its tokens into the one batch they share, and one `flush` decodes
+    them all in one llama_decode: every slot's verification in one pass.
     """
 
     def __init__(self, model: Model, params: ContextParams) -> None:
@@ -279,36 +284,68 @@ class Context:
         self.recurrent = model.recurrent
         cparams.n_rs_seq = params.n_rs_seq if self.recurrent else 0
         self.model = model
-        self.ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
-        if not self.ptr:
+        ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
+        if not ptr:
             raise UserError(
                 f"llama.cpp could not create a context of {params.n_ctx} tokens for "
                 f"{model.path.name}; try a smaller -c"
             )
+        self._shared = _Shared(ptr, cparams.n_batch, cparams.n_seq_max, model.n_vocab)
+        self._owner = True
         # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
-        self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(self.ptr))
+        self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(ptr))
         self.n_batch: int = cparams.n_batch
-        self.n_seq_max: int = cparams.n_seq_max
         self.threads: int = params.n_threads
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
-        self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(self.ptr) if self.recurrent else 0
-        self.memory = llama_cpp.llama_get_memory(self.ptr)
-        self.decode_seconds = 0.0
+        self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0
+        self._start_sequences(0, cparams.n_seq_max)
+
+    def _start_sequences(self, seq: int, n_seq: int) -> None:
+        """This context's own state: sequences seq .. seq + n_seq - 1, empty."""
+        self.seq = seq  # the accepted sequence; its tree's branches follow it
+        self.n_seq_max: int = n_seq
+        self.decode_seconds = 0.0  # in the decode calls this context took part in
         self.decode_calls = 0
-        self.tokens: list[int] = []  # what sequence 0 holds, by position
+        self.tokens: list[int] = []  # what the sequence holds, by position
         self._last_call_start = 0  # position of the first token of the last decode call
-        self._first_logit = 0  # place in that call's batch of the first token with logits
+        self._first_logit = 0  # place in that call's batch of the first row with logits
+        self._last_row = 0  # place in that call's batch of its last row with logits
         self._checkpoint = _Checkpoint()
-        self._batch = _Batch(self.n_batch, self.n_seq_max)
-        self._offsets = np.arange(self.n_batch, dtype=np.int32)  # 0, 1, 2, ...
         self._tree: _Tree | None = None  # the last decode's tree, until keep_branch
-        self._branches = 0  # sequences besides 0 that may hold cells
-        self._row_type = ctypes.c_float * model.n_vocab
+        self._staged_tree: _Tree | None = None
+        self._branches = 0  # sequences after `seq` that may hold cells
+
+    def split(self, n: int) -> list[Context]:
+        """n contexts over this one's llama.cpp context, for n generations at once: each
+        with an n-th of its sequences and of its cells (llama-server's -c split across
+        --parallel slots). This context itself is then left alone (its first sequence
+        is the first slot's)."""
+        width = self.n_seq_max // n
+        if width < 1:
+            raise RuntimeError(f"{self.model.path.name}: {n} slots need {n} sequences")
+        slots = []
+        for i in range(n):
+            slot = copy.copy(self)
+            slot._owner = False
+            slot.n_ctx = self.n_ctx // n
+            slot.n_batch = self.n_batch // n  # its share of a decode call's tokens
+            if n > 1:  # llama.cpp's snapshots cover a whole decode call, not one slot's part
+                slot.n_rs_seq = 0
+            slot._start_sequences(i * width, width)
+            slots.append(slot)
+        return slots
+
+    @property
+    def ptr(self) -> llama_cpp.llama_context_p:
+        return self._shared.ptr
+
+    @property
+    def memory(self) -> llama_cpp.llama_memory_t:
+        return self._shared.memory
 
     def close(self) -> None:
-        if self.ptr:
-            llama_cpp.llama_free(self.ptr)
-            self.ptr = None
+        if self._owner:
+            self._shared.close()
 
     def decode(
         self,
@@ -326,76 +363,103 @@ class Context:
         parent's. Without it, each token follows the one before: a chain, the tree with
         one branch.
         """
+        self._check_position(pos)
+        if parents is not None:
+            self.stage(tokens, n_logits, parents)
+            self.flush()
+            return
+        first_wanted = len(tokens) - n_logits
+        for start in range(0, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            self.stage(chunk, len(chunk) - max(0, first_wanted - start))
+            self.flush()
+
+    def _check_position(self, pos: int) -> None:
         if pos != len(self.tokens):
             raise RuntimeError(
                 f"{self.model.path.name}: decoding at position {pos}, but the memory holds "
                 f"{len(self.tokens)} tokens"
             )
-        self.drop_branches()
-        if parents is not None:
-            self._decode_tree(tokens, parents, pos, n_logits)
-            return
-        b = self._batch
-        first_wanted = len(tokens) - n_logits
-        for start in range(0, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            n = len(chunk)
-            b.token[:n] = chunk
-            np.add(self._offsets[:n], pos + start, out=b.pos[:n])
-            np.greater_equal(self._offsets[:n], first_wanted - start, out=b.logits[:n])
-            self._run(n, pos + start)
-            self._first_logit = max(0, first_wanted - start)
-            self.tokens.extend(chunk)
 
-    def _decode_tree(
-        self, tokens: Sequence[int], parents: Sequence[int], pos: int, n_logits: int
+    def stage(
+        self, tokens: Sequence[int], n_logits: int = 1, parents: Sequence[int] | None = None
     ) -> None:
-        """One decode call of a tree: see decode. Sequence 0 goes down the first child
-        of every token (the path a chain would have taken); each other leaf's branch is
-        a sequence of its own, given the cells of the accepted tokens first."""
+        """Put `tokens` (a chain, or with `parents` a tree: see decode) after the
+        sequence into the batch of the next `flush`, which may hold other slots' tokens
+        too. At most one stage per context and flush."""
+        self.drop_branches()
+        shared, n = self._shared, len(tokens)
+        if not n:
+            return
+        n_logits = min(n_logits, n)
+        first = shared.n_staged
+        if n > self.batch_room:
+            raise RuntimeError(
+                f"{n} tokens do not fit in one decode call of {self.model.path.name} "
+                f"({self.batch_room} places left)"
+            )
+        pos = len(self.tokens)
+        b, rows = shared.batch, slice(first, first + n)
+        b.token[rows] = tokens
+        if parents is None:
+            np.add(shared.offsets[:n], pos, out=b.pos[rows])
+            b.n_seq_id[rows] = 1
+            b.seq_id[rows, 0] = self.seq
+            self.tokens.extend(tokens)
+        else:
+            tree = self._stage_tree(tokens, parents, rows)
+            np.add(tree.depths, pos - 1, out=b.pos[rows])
+            self.tokens.extend(tree.path_tokens(tree.primary_leaf))
+        np.greater_equal(shared.offsets[:n], n - n_logits, out=b.logits[rows])
+        self._first_logit, self._last_row = first + n - n_logits, first + n - 1
+        self._last_call_start = pos
+        shared.stage(self, n)
+
+    @property
+    def n_staged(self) -> int:
+        """Tokens staged for the next decode call, by any slot."""
+        return self._shared.n_staged
+
+    @property
+    def batch_room(self) -> int:
+        """Tokens the next decode call can still take, from any slot."""
+        return len(self._shared.offsets) - self._shared.n_staged
+
+    def _stage_tree(self, tokens: Sequence[int], parents: Sequence[int], rows: slice) -> _Tree:
+        """A tree's sequences in the batch: sequence `seq` goes down the first child of
+        every token (the path a chain would have taken); each other leaf's branch is a
+        sequence of its own, given the cells of the accepted tokens first."""
         if self.recurrent:
             raise RuntimeError(f"{self.model.path.name} is recurrent: it cannot verify a tree")
         tree = _Tree(tokens, parents)
-        n = len(tokens)
-        if n > self.n_batch or tree.n_branches > self.n_seq_max:
+        if tree.n_branches > self.n_seq_max:
             raise RuntimeError(
-                f"a tree of {n} tokens and {tree.n_branches} branches does not fit one "
-                f"decode call of {self.model.path.name} ({self.n_batch} tokens, "
-                f"{self.n_seq_max} sequences)"
+                f"a tree of {tree.n_branches} branches does not fit one decode call of "
+                f"{self.model.path.name} ({self.n_seq_max} sequences)"
             )
-        for seq in range(1, tree.n_branches):
-            llama_cpp.llama_memory_seq_cp(self.memory, _SEQ, seq, -1, -1)
+        for branch in range(1, tree.n_branches):
+            llama_cpp.llama_memory_seq_cp(self.memory, self.seq, self.seq + branch, -1, -1)
         self._branches = tree.n_branches - 1
-        b = self._batch
-        b.token[:n] = tokens
-        np.add(tree.depths, pos - 1, out=b.pos[:n])
-        np.greater_equal(self._offsets[:n], n - n_logits, out=b.logits[:n])
-        b.set_sequences(tree.sequences)
-        try:
-            self._run(n, pos)
-        finally:
-            b.reset_sequences(n)
-        self._first_logit = n - n_logits
-        self._tree = tree
-        self.tokens.extend(tree.path_tokens(tree.primary_leaf))
+        self._shared.batch.set_sequences(rows.start, tree.sequences, self.seq)
+        self._staged_tree = tree
+        return tree
 
-    def _run(self, n: int, pos: int) -> None:
-        """llama_decode the first n tokens of the batch (the first at position `pos`)."""
-        self._batch.struct.n_tokens = n
-        t0 = time.perf_counter()
-        status = llama_cpp.llama_decode(self.ptr, self._batch.struct)
-        # Wait for the results here, so that decode_seconds (and llama.cpp's own
-        # clock, which stops at a synchronize) covers this call and nothing else.
-        llama_cpp.llama_synchronize(self.ptr)
-        self.decode_seconds += time.perf_counter() - t0
+    def flush(self) -> None:
+        """llama_decode every token staged since the last flush, by any slot."""
+        self._shared.flush(self.model.path.name)
+
+    def _decoded(self, seconds: float) -> None:
+        """The flush that held this context's staged tokens is done."""
+        self.decode_seconds += seconds
         self.decode_calls += 1
-        if status != 0:
-            raise RuntimeError(
-                f"{self.model.path.name}: llama_decode failed with status {status} "
-                f"at position {pos}"
-            )
-        self._last_call_start = pos
-        self._tree = None
+        self._tree, self._staged_tree = self._staged_tree, None
+
+    def _failed(self) -> None:
+        """The flush that held this context's staged tokens failed: forget them."""
+        self._staged_tree = None
+        self.drop_branches()
+        self._remove_from(self._last_call_start)
+        del self.tokens[self._last_call_start :]
 
     def decode_branches(
         self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]
@@ -403,33 +467,36 @@ class Context:
         """Evaluate token i at positions[i] in sequence seqs[i], with logits for every
         token (row i is token i's): how a draft grows its tree, one depth per call.
         Tokens of sequence 0 extend the accepted sequence's memory, in order; other
-        sequences are branches (see fork), dropped by drop_branches."""
-        n = len(tokens)
-        b = self._batch
-        b.token[:n] = tokens
-        b.pos[:n] = positions
-        b.logits[:n] = 1
-        b.seq_id[:n, 0] = seqs
-        try:
-            self._run(n, int(b.pos[0]))
-        finally:
-            b.seq_id[:n, 0] = _SEQ
-        self._first_logit = 0
-        self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == _SEQ)
+        sequences are branches (see fork), dropped by drop_branches. Sequences are
+        counted from this context's own."""
+        shared, n = self._shared, len(tokens)
+        first = shared.n_staged
+        b, rows = shared.batch, slice(first, first + n)
+        b.token[rows] = tokens
+        b.pos[rows] = positions
+        b.logits[rows] = 1
+        b.n_seq_id[rows] = 1
+        np.add(seqs, self.seq, out=b.seq_id[rows, 0])
+        self._first_logit, self._last_row = first, first + n - 1
+        self._last_call_start = int(b.pos[first])
+        self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == 0)
+        shared.stage(self, n)
+        self.flush()
 
     def fork(self, source: int, seq: int, n_tokens: int) -> None:
         """Make branch `seq` hold the first n_tokens positions of sequence `source`
-        (sharing their cells): the start of a branch that leaves `source` there."""
+        (sharing their cells): the start of a branch that leaves `source` there.
+        Sequences are counted from this context's own."""
         if self.recurrent or not 0 < seq < self.n_seq_max:
             raise RuntimeError(f"{self.model.path.name} cannot hold a branch {seq}")
-        llama_cpp.llama_memory_seq_cp(self.memory, source, seq, -1, n_tokens)
+        llama_cpp.llama_memory_seq_cp(self.memory, self.seq + source, self.seq + seq, -1, n_tokens)
         self._branches = max(self._branches, seq)
 
     def drop_branches(self) -> None:
-        """Forget every branch, keeping sequence 0 alone."""
-        if self._branches:
-            llama_cpp.llama_memory_seq_keep(self.memory, _SEQ)
-            self._branches = 0
+        """Forget every branch, keeping the accepted sequence alone."""
+        for branch in range(self.seq + 1, self.seq + self._branches + 1):
+            llama_cpp.llama_memory_seq_rm(self.memory, branch, -1, -1)
+        self._branches = 0
         self._tree = None
 
     def keep_branch(self, index: int) -> None:
@@ -440,24 +507,27 @@ class Context:
         if tree is None:
             self.rewind(self._last_call_start + index + 1)
             return
-        seq = tree.sequences[index][0]  # a branch through `index`
+        branch = tree.sequences[index][0]  # a branch through `index`
         n_keep = self._last_call_start + int(tree.depths[index])
-        if seq != _SEQ:
-            # That branch becomes sequence 0, as in llama.cpp's examples/speculative.
-            llama_cpp.llama_memory_seq_keep(self.memory, seq)
-            llama_cpp.llama_memory_seq_cp(self.memory, seq, _SEQ, -1, -1)
+        if branch != 0:
+            # That branch becomes the accepted sequence, as in llama.cpp's
+            # examples/speculative (there with seq_keep, which would drop other slots).
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, -1, -1)
+            llama_cpp.llama_memory_seq_cp(self.memory, self.seq + branch, self.seq, -1, -1)
             del self.tokens[self._last_call_start :]
-            self.tokens.extend(tree.path_tokens(tree.leaves[seq]))
+            self.tokens.extend(tree.path_tokens(tree.leaves[branch]))
         self.drop_branches()
         self.rewind(n_keep)
 
     def logits(self, i: int) -> np.ndarray:
-        """Row i of the last decode's logits (i counts the tokens that asked for logits;
-        -1 is the last): a view into llama.cpp's buffer, valid until the next decode."""
-        # llama.cpp counts non-negative rows by their token's place in the batch.
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, i + self._first_logit if i >= 0 else i)
+        """Row i of the last decode's logits for this context's tokens (i counts the
+        tokens that asked for logits; -1 is the last): a view into llama.cpp's buffer,
+        valid until the next decode."""
+        # llama.cpp counts rows by their token's place in the batch.
+        row = i + self._first_logit if i >= 0 else self._last_row + 1 + i
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
         return np.frombuffer(
-            self._row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
+            self._shared.row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
         )
 
     def checkpoint(self, n_ahead: int | None = None) -> None:
@@ -471,7 +541,7 @@ class Context:
         """
         if not self.recurrent or (n_ahead is not None and n_ahead <= self.n_rs_seq):
             return
-        self._checkpoint.save(self.ptr, len(self.tokens))
+        self._checkpoint.save(self.ptr, self.seq, len(self.tokens))
 
     def rewind(self, n_keep: int) -> int:
         """Forget every token at position >= n_keep, or, for a recurrent state, go back
@@ -481,7 +551,7 @@ class Context:
         if len(self.tokens) <= n_keep:
             return len(self.tokens)
         if n_keep > 0 and self.recurrent and not self._within_snapshots(n_keep):
-            n_keep = self._checkpoint.restore(self.ptr, n_keep, self.model.path.name)
+            n_keep = self._checkpoint.restore(self.ptr, self.seq, n_keep, self.model.path.name)
         self._remove_from(n_keep)  # for a hybrid, its attention layers; never fails at 0
         del self.tokens[n_keep:]
         self._checkpoint.forget_after(n_keep)
@@ -490,6 +560,13 @@ class Context:
     def prefill(self, tokens: Sequence[int]) -> int:
         """Make the memory hold exactly `tokens`, keeping the longest start of them it
         already holds (a chat's earlier turns): returns how many tokens were reused."""
+        n = self.reuse(tokens)
+        self.decode(tokens[n:], n)
+        return n
+
+    def reuse(self, tokens: Sequence[int]) -> int:
+        """Keep the longest start of `tokens` the memory already holds, forget the rest:
+        returns its length (the tokens from there on are still to be decoded)."""
         n = 0
         for cached, token in zip(self.tokens, tokens, strict=False):
             if cached != token:
@@ -497,9 +574,7 @@ class Context:
             n += 1
         if n < len(self.tokens) and not self._can_rewind_to(n):
             n = 0  # a recurrent state that cannot go back there: start over
-        n = self.rewind(n)
-        self.decode(tokens[n:], n)
-        return n
+        return self.rewind(n)
 
     def _can_rewind_to(self, n_keep: int) -> bool:
         if not self.recurrent or n_keep == 0 or self._within_snapshots(n_keep):
@@ -519,22 +594,69 @@ class Context:
         return n_keep > self._last_call_start and len(self.tokens) - n_keep <= self.n_rs_seq
 
     def _remove_from(self, pos: int) -> None:
-        if not llama_cpp.llama_memory_seq_rm(self.memory, _SEQ, pos, -1):
+        if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, pos, -1):
             raise RuntimeError(
                 f"llama.cpp could not remove tokens from position {pos} of "
                 f"{self.model.path.name}'s memory"
             )
 
     def perf_seconds(self) -> float:
-        """llama.cpp's own clock of its decode calls (from decode to results), summed."""
+        """llama.cpp's own clock of its decode calls (from decode to results), summed
+        over every slot of the context."""
         data = llama_cpp.llama_perf_context(self.ptr)
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
+
+
+class _Shared:
+    """What the slots of one llama.cpp context share: the context, its memory, one
+    batch, and the decode call being put together in it."""
+
+    def __init__(
+        self, ptr: llama_cpp.llama_context_p, n_batch: int, n_seq_max: int, n_vocab: int
+    ) -> None:
+        self.ptr: llama_cpp.llama_context_p | None = ptr
+        self.memory = llama_cpp.llama_get_memory(ptr)
+        self.batch = _Batch(n_batch, n_seq_max)
+        self.offsets = np.arange(n_batch, dtype=np.int32)  # 0, 1, 2, ...
+        self.row_type = ctypes.c_float * n_vocab
+        self.n_staged = 0
+        self.staged: list[Context] = []
+
+    def stage(self, ctx: Context, n: int) -> None:
+        if ctx in self.staged:
+            raise RuntimeError(f"{ctx.model.path.name}: one stage per decode call and slot")
+        self.staged.append(ctx)
+        self.n_staged += n
+
+    def flush(self, name: str) -> None:
+        staged, n = self.staged, self.n_staged
+        if not n:
+            return
+        self.staged, self.n_staged = [], 0
+        self.batch.struct.n_tokens = n
+        t0 = time.perf_counter()
+        status = llama_cpp.llama_decode(self.ptr, self.batch.struct)
+        # Wait for the results here, so that decode_seconds (and llama.cpp's own
+        # clock, which stops at a synchronize) covers this call and nothing else.
+        llama_cpp.llama_synchronize(self.ptr)
+        seconds = time.perf_counter() - t0
+        if status != 0:
+            for ctx in staged:
+                ctx._failed()
+            raise RuntimeError(f"{name}: llama_decode failed with status {status}")
+        for ctx in staged:
+            ctx._decoded(seconds)
+
+    def close(self) -> None:
+        if self.ptr:
+            llama_cpp.llama_free(self.ptr)
+            self.ptr = None
 
 
 class _Batch:
     """A llama_batch over numpy arrays allocated once: filled by vectorised writes, not
     element by element through ctypes. Row i of `seq_id` holds token i's sequence ids
-    (`n_seq_id[i]` of them); outside a tree every token is in sequence 0 alone."""
+    (`n_seq_id[i]` of them)."""
 
     def __init__(self, n_tokens: int, n_seq_max: int) -> None:
         self.token = np.zeros(n_tokens, np.int32)
@@ -557,14 +679,12 @@ class _Batch:
             logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
         )
 
-    def set_sequences(self, sequences: Sequence[Sequence[int]]) -> None:
-        for i, seqs in enumerate(sequences):
+    def set_sequences(self, first: int, sequences: Sequence[Sequence[int]], base: int) -> None:
+        """Rows from `first` on: each token's sequence ids, counted from `base`."""
+        for i, seqs in enumerate(sequences, start=first):
             self.n_seq_id[i] = len(seqs)
             self.seq_id[i, : len(seqs)] = seqs
-
-    def reset_sequences(self, n: int) -> None:
-        self.n_seq_id[:n] = 1
-        self.seq_id[:n, 0] = _SEQ
+            self.seq_id[i, : len(seqs)] += base
 
 
 class _Tree:
@@ -627,18 +747,18 @@ class _Checkpoint:
         self._buffer = (ctypes.c_uint8 * 0)()
         self._size = 0
 
-    def save(self, ctx: llama_cpp.llama_context_p, n_tokens: int) -> None:
-        size = llama_cpp.llama_state_seq_get_size_ext(ctx, _SEQ, self.FLAGS)
+    def save(self, ctx: llama_cpp.llama_context_p, seq: int, n_tokens: int) -> None:
+        size = llama_cpp.llama_state_seq_get_size_ext(ctx, seq, self.FLAGS)
         if size > len(self._buffer):
             self._buffer = (ctypes.c_uint8 * size)()
         self._size = llama_cpp.llama_state_seq_get_data_ext(
-            ctx, self._buffer, size, _SEQ, self.FLAGS
+            ctx, self._buffer, size, seq, self.FLAGS
         )
         if self._size == 0:
             raise RuntimeError("llama.cpp could not save the recurrent state")
         self.n_tokens = n_tokens
 
-    def restore(self, ctx: llama_cpp.llama_context_p, n_keep: int, name: str) -> int:
+    def restore(self, ctx: llama_cpp.llama_context_p, seq: int, n_keep: int, name: str) -> int:
         """Put the saved state back, if it was taken at or before n_keep; its length."""
         if self.n_tokens is None or self.n_tokens > n_keep:
             raise RuntimeError(
@@ -646,7 +766,7 @@ class _Checkpoint:
                 "to return to"
             )
         if not llama_cpp.llama_state_seq_set_data_ext(
-            ctx, self._buffer, self._size, _SEQ, self.FLAGS
+            ctx, self._buffer, self._size, seq, self.FLAGS
         ):
             raise RuntimeError(f"llama.cpp could not restore the recurrent state of {name}")
         return self.n_tokens

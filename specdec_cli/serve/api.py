@@ -14,9 +14,9 @@ import json
 import math
 from dataclasses import dataclass, field, replace
 
-from specdec_cli.chat import Message, messages_from
+from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.models.chat import Message, messages_from
 
 MAX_STOPS = 16
 MAX_K = 256  # a draft length beyond this is never useful, and is refused
@@ -32,7 +32,11 @@ class ServeOptions:
     api_key: str | None = None
     alias: str | None = None  # the model's name in the API; None: the target's file name
     cors: str | None = None  # an origin allowed to call the API from a browser; None: none
-    queue: int = 16  # requests that may wait behind the one being generated
+    # -np: generations decoded at once, each in a slot of its own; llama-server's default
+    # (its "auto" gives 4), and one decode call of 4 rounds costs little more than one
+    # on memory-bound machines (benchmarks/README.md, "Many requests at once").
+    parallel: int = 4
+    queue: int = 16  # requests that may wait for a slot
     chat_template: str | None = None  # as --chat-template; None: the model's own
 
 

@@ -27,8 +27,8 @@ from typing import Any
 
 from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 
-from specdec_cli import backend, machine
-from specdec_cli.costmodel import Costs
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.llamacpp import backend, machine
 
 FORMAT = 2  # bump when the meaning of a measurement changes
 

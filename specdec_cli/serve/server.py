@@ -1,11 +1,11 @@
 """`specdec serve`: an OpenAI-compatible HTTP server over the engine.
 
-One generation at a time, decoded in one worker thread (every llama.cpp call happens
-there, loading included), with a bounded number of requests waiting behind it. The
-event loop only parses, tokenizes (in a helper thread), queues and streams, so a
-long generation never holds up /health or another client's 429. Prefix reuse comes
-from the engine: each generation keeps the longest start of its prompt that the
-target's and the draft's memory already hold, checked token by token (Context.prefill).
+Generations run in slots (--parallel), all advanced by one decode loop in one worker
+thread (every llama.cpp call happens there, loading included; see decoding.scheduler),
+with a bounded number of requests waiting for a slot. The event loop only parses,
+tokenizes (in a helper thread), queues and streams, so a long generation never holds up
+/health or another client's 503. Prefix reuse: a request goes to the free slot whose
+cache holds the longest start of its prompt, and keeps that start (Context.reuse).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager, closing, contextmanager
+from contextlib import asynccontextmanager, contextmanager, suppress
 from dataclasses import dataclass, field, replace
 from html import escape
 from importlib import resources
@@ -43,8 +43,16 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specdec_cli import interrupt
-from specdec_cli.api import (
+from specdec_cli.commands import interrupt
+from specdec_cli.commands.display import note, warn
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.pieces import Piece, PieceStream
+from specdec_cli.decoding.scheduler import Counters, Scheduler, Task
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.errors import UserError
+from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
     ServeOptions,
@@ -52,11 +60,6 @@ from specdec_cli.api import (
     parse_body,
     parse_request,
 )
-from specdec_cli.decode import Decoder
-from specdec_cli.display import note, warn
-from specdec_cli.engine import Engine, EngineOptions, Piece
-from specdec_cli.errors import UserError
-from specdec_cli.stats import Stats
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -66,7 +69,7 @@ PUBLIC_PATHS = ("/health", "/")  # no API key: the page holds no data, it asks f
 FALLBACK_CHAT_TEMPLATE = "chatml"
 
 
-# --- generations: one at a time, in the worker thread --------------------------------
+# --- generations: in slots, advanced together in the worker thread ----------------------
 
 
 @dataclass(frozen=True)
@@ -101,6 +104,7 @@ class Job:
     prompt: list[int]
     seed: int
     loop: asyncio.AbstractEventLoop
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     # Events from the worker not yet handed over. A round's tokens come microseconds
@@ -128,19 +132,23 @@ class Job:
 
 
 class Service:
-    """The engine behind the API: loaded once, then one generation at a time."""
+    """The engine behind the API: loaded once, then its slots, each running one
+    generation, all advanced together by one decode loop in the worker thread."""
 
     def __init__(self, engine_options: EngineOptions, options: ServeOptions) -> None:
         self.engine_options = engine_options
         self.options = options
         self.engine: Engine | None = None
+        self.scheduler: Scheduler | None = None
         self.model_name = options.alias or engine_options.target.name
         self.created = int(time.time())
         self.worker = ThreadPoolExecutor(1, thread_name_prefix="specdec-decode")
-        self.admitted = 0  # generations queued or running
+        self.admitted = 0  # generations waiting or running
+        self.waiting: deque[Job] = deque()  # admitted, not yet in a slot
+        self.wake = threading.Condition()  # a job came, or the server stops
         self.stopping = threading.Event()  # shutting down: generations end now
         self.metrics = Metrics()
-        self._decoders: dict[Speculation, Decoder] = {}
+        self._decoders: dict[tuple[Speculation, int], Decoder] = {}
         self.chat_template = options.chat_template  # None: the model's own
 
     # In the worker thread.
@@ -161,58 +169,85 @@ class Service:
             )
         if engine.decoder.drafter is not None:
             engine.costs()
+        self.scheduler = Scheduler(engine.slots, self.engine_options.n_ubatch)
         return engine
 
-    def run(self, job: Job) -> Stats:
-        stats = Stats()
-        try:
-            if self._should_stop(job):  # its client left, or the server stops, while it waited
-                stats.stop_reason = "cancelled"
-            else:
-                self._generate(job, stats)
-            job.emit(Finished(stats))
-        except Exception as err:  # one failed generation must not end the server
-            job.emit(Failed(err, stats))
-        return stats
+    def loop(self) -> None:
+        """The decode loop: place waiting jobs in free slots, advance every busy slot by
+        one round, until the server stops."""
+        scheduler = self.scheduler
+        assert scheduler is not None
+        while True:
+            with self.wake:
+                while not (self.waiting or scheduler.busy or self.stopping.is_set()):
+                    self.wake.wait()
+            if self.stopping.is_set():
+                scheduler.stop_all()
+                self._cancel_waiting()
+                return
+            self._place_waiting(scheduler)
+            scheduler.step()
 
-    def _generate(self, job: Job, stats: Stats) -> None:
+    def _place_waiting(self, scheduler: Scheduler) -> None:
+        """Waiting jobs into free slots, first come first served; each to the slot whose
+        cache holds most of its prompt."""
+        while self.waiting:
+            job = self.waiting[0]
+            slot = scheduler.free_slot(job.prompt)
+            if slot is None:
+                return
+            self.waiting.popleft()
+            if job.cancelled.is_set():  # its client left while it waited
+                self._done(job, Stats(stop_reason="cancelled"), None)
+                continue
+            try:
+                scheduler.start(slot, self._task(job, slot.index))
+            except Exception as err:  # one bad generation must not end the server
+                self._done(job, Stats(), err)
+
+    def _task(self, job: Job, slot: int) -> Task:
         assert self.engine is not None
-        request = job.request
+        request, stats = job.request, Stats(flash_attn=self.engine.flash_attn)
+        decoder = self._decoder(request.speculation, slot)
         rng = np.random.default_rng(job.seed)
-        pieces = self.engine.pieces(
-            job.prompt,
-            request.max_tokens,
-            rng,
-            stats,
-            request.stop,
-            self._decoder(request.speculation),
-            request.sampling,
+        generation = decoder.start(job.prompt, request.max_tokens, rng, stats, request.sampling)
+
+        def emit(piece: Piece) -> None:
+            if piece.text:
+                job.emit(Chunk(piece, stats.drafted, stats.accepted, stats.tokens))
+
+        return Task(
+            generation,
+            PieceStream(self.engine.model, request.stop),
+            emit,
+            lambda stats, error: self._done(job, stats, error),
+            lambda: job.cancelled.is_set() or self.stopping.is_set(),
+            job.id,
         )
-        with closing(pieces):
-            for piece in pieces:
-                if piece.text:
-                    job.emit(Chunk(piece, stats.drafted, stats.accepted, stats.tokens))
-                if self._should_stop(job):
-                    stats.stop_reason = stats.stop_reason or "cancelled"
-                    return
 
-    def _should_stop(self, job: Job) -> bool:
-        return job.cancelled.is_set() or self.stopping.is_set()
+    def _done(self, job: Job, stats: Stats, error: Exception | None) -> None:
+        job.emit(Finished(stats) if error is None else Failed(error, stats))
+        with suppress(RuntimeError):  # a closed event loop: the server has stopped
+            job.loop.call_soon_threadsafe(self._finished, stats)
 
-    def _decoder(self, speculation: Speculation) -> Decoder:
-        """The decoder a request asks for, made once and kept (with its draft-length
-        state, which learns from every generation)."""
+    def _cancel_waiting(self) -> None:
+        while self.waiting:
+            self._done(self.waiting.popleft(), Stats(stop_reason="cancelled"), None)
+
+    def _decoder(self, speculation: Speculation, slot: int) -> Decoder:
+        """The decoder a request asks for in a slot, made once and kept."""
         assert self.engine is not None
-        default = self.engine.decoder
+        default = self.engine.decoders[slot]
         if speculation == Speculation():
             return default
-        if speculation not in self._decoders:
+        key = (speculation, slot)
+        if key not in self._decoders:
             kind = default.drafter.name if speculation.enabled and default.drafter else None
             drafting = self.engine.options.drafting
-            self._decoders[speculation] = self.engine.make_decoder(
-                kind, speculation.k or drafting.k, speculation.tree
+            self._decoders[key] = self.engine.make_decoder(
+                kind, speculation.k or drafting.k, speculation.tree, slot
             )
-        return self._decoders[speculation]
+        return self._decoders[key]
 
     def check_speculation(self, speculation: Speculation) -> None:
         """A draft length needs a drafter: refuse it before the request is queued."""
@@ -237,11 +272,17 @@ class Service:
                 param="speculative",
             )
 
+    def stop(self) -> None:
+        """End every generation now, and the decode loop."""
+        self.stopping.set()
+        with self.wake:
+            self.wake.notify()
+
     # In the event loop.
 
     def admit(self, request: GenerationRequest, prompt: list[int]) -> Job:
         """Queue a generation, or refuse it (503, Retry-After) when the queue is full."""
-        if self.admitted > self.options.queue:
+        if self.admitted >= self.engine_options.parallel + self.options.queue:
             self.metrics.rejected += 1
             raise ApiError(
                 f"the server is busy ({self.admitted} requests in progress or waiting); retry",
@@ -253,14 +294,15 @@ class Service:
         seed = request.seed if request.seed is not None else int(np.random.SeedSequence().entropy)
         job = Job(request, prompt, seed % 2**64, asyncio.get_running_loop())
         self.admitted += 1
-        future = asyncio.get_running_loop().run_in_executor(self.worker, self.run, job)
-        future.add_done_callback(self._finished)
+        with self.wake:
+            self.waiting.append(job)
+            self.wake.notify()
         return job
 
-    def _finished(self, future: asyncio.Future[Stats]) -> None:
+    def _finished(self, stats: Stats) -> None:
         """Count a generation in, whether its client stayed to the end or not."""
         self.admitted -= 1
-        self.metrics.record(future.result())
+        self.metrics.record(stats)
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The request's prompt as tokens, checked against the context (in a helper thread:
@@ -277,7 +319,7 @@ class Service:
                 )
         else:
             tokens = self.engine.tokenize(request.text or "")
-        n_ctx = self.engine.target.n_ctx
+        n_ctx = self.engine.slots[0].n_ctx  # each slot's share of -c
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")
         if len(tokens) >= n_ctx:
@@ -309,8 +351,9 @@ class Metrics:
         self.totals.add(stats)
         self.drafts += sum(n for k, n in stats.draft_lengths.items() if k)
 
-    def text(self, processing: int) -> str:
-        t = self.totals
+    def text(self, processing: int, deferred: int, counters: Counters) -> str:
+        t, c = self.totals, counters
+        decodes = max(c.decodes, 1)
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
             ("requests_total", "counter", "Generations finished", [("", self.requests)]),
             ("requests_rejected_total", "counter", "Requests refused, queue full",
@@ -318,8 +361,14 @@ class Metrics:
             ("requests_cancelled_total", "counter",
              "Generations stopped early (client gone, or server stopping)",
              [("", self.cancelled)]),
-            ("requests_processing", "gauge", "Generations running or waiting",
-             [("", processing)]),
+            ("requests_processing", "gauge", "Generations in a slot", [("", processing)]),
+            ("requests_deferred", "gauge", "Generations waiting for a slot", [("", deferred)]),
+            ("decode_total", "counter", "Target decode calls of the decode loop",
+             [("", c.decodes)]),
+            ("n_busy_slots_per_decode", "gauge", "Slots advanced per decode call, on average",
+             [("", c.busy_slot_decodes / decodes)]),
+            ("n_tokens_per_decode", "gauge", "Tokens per decode call, on average",
+             [("", c.decoded_tokens / decodes)]),
             ("prompt_tokens_total", "counter", "Prompt tokens", [("", t.prompt_tokens)]),
             ("prompt_tokens_cached_total", "counter",
              "Prompt tokens reused from the previous generation's cache",
@@ -483,6 +532,7 @@ class Api:
             Route("/health", self.health),
             Route("/v1/models", self.models),
             Route("/metrics", self.metrics),
+            Route("/slots", self.slots),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
         ]
@@ -501,6 +551,7 @@ class Api:
         error = future.exception()
         if error is None:
             self.service.engine = future.result()
+            self.service.worker.submit(self.service.loop)
         on_loaded(error)
 
     async def health(self, request: Request) -> Response:
@@ -509,7 +560,9 @@ class Api:
         return JSONResponse({"status": "ok"})
 
     async def page(self, request: Request) -> Response:
-        html = resources.files("specdec_cli").joinpath("webui.html").read_text(encoding="utf-8")
+        html = (
+            resources.files("specdec_cli.serve").joinpath("webui.html").read_text(encoding="utf-8")
+        )
         return HTMLResponse(html.replace("{{MODEL}}", escape(self.service.model_name)))
 
     async def models(self, request: Request) -> Response:
@@ -518,8 +571,16 @@ class Api:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def metrics(self, request: Request) -> Response:
-        text = self.service.metrics.text(self.service.admitted)
+        service, scheduler = self.service, self.service.scheduler
+        processing = len(scheduler.busy) if scheduler else 0
+        counters = scheduler.counters if scheduler else Counters()
+        text = service.metrics.text(processing, len(service.waiting), counters)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def slots(self, request: Request) -> Response:
+        """Each slot: idle, reading its prompt or generating, and its figures so far."""
+        scheduler = self.service.scheduler
+        return JSONResponse(scheduler.describe() if scheduler else [])
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, Endpoint(chat=False))
@@ -708,7 +769,7 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: Any) -> None:
         if self.service.engine is None and not self.should_exit:
             interrupt.exit_now()
-        self.service.stopping.set()
+        self.service.stop()
         super().handle_exit(sig, frame)
 
 
@@ -753,7 +814,7 @@ def serve(engine_options: EngineOptions, options: ServeOptions) -> None:
     try:
         server.run(sockets=[sock])
     finally:
-        service.stopping.set()
+        service.stop()
         service.worker.shutdown(wait=True)
         if service.engine is not None:
             service.engine.close()

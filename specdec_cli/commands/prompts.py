@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specdec_cli.display import warn
+from specdec_cli.commands.display import warn
 from specdec_cli.errors import UserError
 
 

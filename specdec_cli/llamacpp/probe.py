@@ -4,7 +4,7 @@ On some CPUs that advertise Intel AMX, llama.cpp's AMX matrix kernels die with S
 (or a segfault) on the first batch through any quantized model, killing the process
 without a word (llama.cpp issue #20824). Loading without extra buffer types
 (`--no-repack`) avoids them. So where the CPU advertises AMX and the user did not say
---repack or --no-repack, a child process (`python -m specdec_cli.probe`) writes a
+--repack or --no-repack, a child process (`python -m specdec_cli.llamacpp.probe`) writes a
 tiny Q8_0 model, loads it with extra buffer types, and decodes a batch. If the child
 dies, specdec runs with --no-repack and says so. The verdict is kept with the
 measured costs (costcache), keyed by the CPU and the llama.cpp build.
@@ -22,10 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec_cli import backend, costcache, machine
-from specdec_cli.llama import Context, ContextParams, Model, ModelParams, init_backend
+from specdec_cli.llamacpp import backend, costcache, machine
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams, init_backend
 
-PROBE_COMMAND = (sys.executable, "-m", "specdec_cli.probe")
+PROBE_COMMAND = (sys.executable, "-m", "specdec_cli.llamacpp.probe")
 PROBE_TIMEOUT = 300  # seconds; a tiny model decodes in milliseconds, but machines stall
 
 # The probe model: one llama layer whose matrices meet the AMX kernels' shape rules

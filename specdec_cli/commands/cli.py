@@ -12,9 +12,9 @@ from typing import Annotated
 
 import typer
 
-from specdec_cli import __version__, interrupt
-from specdec_cli.api import ServeOptions
-from specdec_cli.bench import (
+from specdec_cli import __version__
+from specdec_cli.commands import interrupt
+from specdec_cli.commands.bench import (
     BUILTIN_PROMPTS,
     BenchOptions,
     BenchReport,
@@ -24,9 +24,7 @@ from specdec_cli.bench import (
     variants,
     widest_tree,
 )
-from specdec_cli.chat import chat_options, template_override
-from specdec_cli.config import load_config, pair_lines
-from specdec_cli.display import (
+from specdec_cli.commands.display import (
     DRAFTED_COLOR,
     TARGET_COLOR,
     bench_progress,
@@ -35,9 +33,7 @@ from specdec_cli.display import (
     warn,
     write_plot,
 )
-from specdec_cli.engine import EngineOptions, GenerationOptions, model_drafter_kind, parse_tree
-from specdec_cli.errors import UserError
-from specdec_cli.options import (
+from specdec_cli.commands.options import (
     MODEL_HELP,
     ChatTemplateOpt,
     ConfigOpt,
@@ -62,9 +58,19 @@ from specdec_cli.options import (
     takes_engine_flags,
     temp_option,
 )
-from specdec_cli.prompts import read_prompt, read_prompts
-from specdec_cli.runner import Output, generate, loaded_engine
-from specdec_cli.sampling import SamplingParams
+from specdec_cli.commands.prompts import read_prompt, read_prompts
+from specdec_cli.commands.runner import Output, generate, loaded_engine
+from specdec_cli.decoding.sampling import SamplingParams
+from specdec_cli.decoding.settings import (
+    EngineOptions,
+    GenerationOptions,
+    model_drafter_kind,
+    parse_tree,
+)
+from specdec_cli.errors import UserError
+from specdec_cli.models.chat import chat_options, template_override
+from specdec_cli.models.config import load_config, pair_lines
+from specdec_cli.serve.api import ServeOptions
 
 app = typer.Typer(
     add_completion=False,
@@ -80,7 +86,7 @@ def _print_version(value: bool) -> None:
     if value:
         from llama_cpp import __version__ as binding
 
-        from specdec_cli.backend import backend_names
+        from specdec_cli.llamacpp.backend import backend_names
 
         backends = ", ".join(backend_names())
         print(f"specdec {__version__} (llama-cpp-python {binding}; llama.cpp backends: {backends})")
@@ -89,7 +95,7 @@ def _print_version(value: bool) -> None:
 
 def _list_devices(value: bool) -> None:
     if value:
-        from specdec_cli.backend import device_list_text, gpu_devices
+        from specdec_cli.llamacpp.backend import device_list_text, gpu_devices
 
         print(device_list_text(gpu_devices()))
         raise typer.Exit()
@@ -525,6 +531,21 @@ def serve(
             help=described("Let web pages from ORIGIN call the API.", "no CORS"),
         ),
     ] = None,
+    parallel: Annotated[
+        int | None,
+        typer.Option(
+            "-np",
+            "--parallel",
+            min=1,
+            max=64,
+            metavar="N",
+            help=described(
+                "Generations decoded at once, each in a slot (-c is split among them); "
+                "all slots' rounds are verified in one decode call.",
+                ServeOptions.parallel,
+            ),
+        ),
+    ] = None,
     queue: Annotated[
         int | None,
         typer.Option(
@@ -532,8 +553,7 @@ def serve(
             min=0,
             metavar="N",
             help=described(
-                "Requests that may wait behind the one being generated; more get 503 "
-                "with Retry-After.",
+                "Requests that may wait for a free slot; more get 503 with Retry-After.",
                 ServeOptions.queue,
             ),
         ),
@@ -559,7 +579,7 @@ def serve(
       specdec serve -m target.gguf -d draft.gguf --port 8080 --api-key secret
     """
     try:
-        from specdec_cli.server import serve as run_server
+        from specdec_cli.serve.server import serve as run_server
     except ImportError as err:
         raise UserError(
             f"specdec serve needs the server extra ({err.name} is missing): "
@@ -576,10 +596,12 @@ def serve(
         api_key=api_key,
         alias=alias,
         cors=cors,
+        parallel=parallel,
         queue=queue,
         chat_template=template_override(chat_template) if chat_template else None,
     )
-    run_server(options, ServeOptions(**given))
+    serve_options = ServeOptions(**given)
+    run_server(replace(options, parallel=serve_options.parallel), serve_options)
 
 
 # --- model commands (info, check) ---
@@ -605,7 +627,7 @@ def info(
 
     Example: specdec info models/qwen2.5-7b-instruct-q4_k_m.gguf --json
     """
-    from specdec_cli import modelinfo
+    from specdec_cli.commands import modelinfo
 
     if model is None:
         modelinfo.print_build(modelinfo.describe_build(), as_json=as_json)
@@ -639,8 +661,8 @@ def check(
 
     Example: specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
     """
-    from specdec_cli import modelinfo
-    from specdec_cli.compat import check_pair
+    from specdec_cli.commands import modelinfo
+    from specdec_cli.models.compat import check_pair
 
     target_model = modelinfo.load_model(model, config)
     draft_model = modelinfo.load_model(draft, config)

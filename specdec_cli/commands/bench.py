@@ -14,11 +14,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec_cli import __version__, backend, costmodel, machine
-from specdec_cli.costmodel import Costs
-from specdec_cli.decode import Decoder
-from specdec_cli.engine import Engine, parse_k, parse_tree
-from specdec_cli.stats import FlashAttnChoice, Stats
+from specdec_cli import __version__
+from specdec_cli.decoding import costmodel
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.settings import parse_k, parse_tree
+from specdec_cli.decoding.stats import FlashAttnChoice, Stats
+from specdec_cli.llamacpp import backend, machine
 
 BUILTIN_PROMPTS = {
     "story": "Once upon a time, in a small village by the sea, there lived a girl who",

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from specdec_cli.costmodel import Costs, verify_cost
-from specdec_cli.drafters import Draft, TreeShape
-from specdec_cli.draftlength import Calibration
+from specdec_cli.decoding.costmodel import Costs, verify_cost
+from specdec_cli.decoding.drafters import Draft, TreeShape
+from specdec_cli.decoding.draftlength import Calibration
 
 MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most
 # Verifying more tokens for at most this much more (in one-token target passes) than

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec_cli.rowexp import exp_sum
+from specdec_cli.llamacpp.rowexp import exp_sum
 
 BLOCK = 1024  # tokens per block sum of a DenseDist
 # From this vocabulary size on, the passes over a whole row (every token's exp) are

@@ -1,0 +1,1 @@
+"""The command line: `run`, `bench`, `info`/`check`, and what they show."""

@@ -1,0 +1,410 @@
+"""The decode loop: draft, verify in one target pass, keep what the target agrees with.
+
+Without a drafter the same loop is plain target-only decoding (every round drafts
+nothing and the target picks one token), which is the baseline for every comparison.
+A draft is a chain, or with a tree policy a tree: the same loop verifies both (a
+chain is the tree with one branch). And one generation is the case of one slot: `step`
+advances any number of generations, each in its own slot of the shared contexts, with
+one target decode call for all of them (`run` steps one; the server's scheduler steps
+every busy slot).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdec_cli.decoding.costmodel import verify_cost
+from specdec_cli.decoding.drafters import Draft, Drafter
+from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.sampling import (
+    SamplingParams,
+    distribution,
+    verify_tree_greedy,
+    verify_tree_sampled,
+)
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.decoding.treeshape import TreePolicy
+from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.llama import Context
+
+NO_DRAFT = Draft()
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round's new tokens: the first `n_drafted` were the drafter's, accepted by the
+    target; the rest (at most one) is the target's own."""
+
+    tokens: list[int]
+    n_drafted: int
+    source: str = ""
+
+
+class Decoder:
+    """How one slot decodes: its share of the target (and of the draft), who drafts, and
+    how much. Generations are its `start`s; `step` runs them, one round at a time."""
+
+    def __init__(
+        self,
+        target: Context,
+        drafter: Drafter | None,
+        sampling: SamplingParams,
+        length: DraftLength | None = None,
+        label: str = "0",
+        tree: TreePolicy | None = None,
+        tree_label: str = "off",
+        lengths: Mapping[str, DraftLength] | None = None,
+    ) -> None:
+        """`length` sets how much each round drafts; `lengths`, by drafter name, for a
+        drafter whose guesses follow their own pattern (a lookup beside a model)."""
+        self.target = target
+        self.drafter = drafter
+        self.sampling = sampling
+        self.length = length or FixedLength(0)
+        self.lengths = dict(lengths or {})
+        self.label = label  # how the user named the draft length: "4", "auto"
+        self.tree = tree  # None: chains
+        self.tree_label = tree_label  # how the user named it: "off", "auto", "16"
+
+    def start(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        sampling: SamplingParams | None = None,
+    ) -> Generation:
+        """A generation from `prompt`, its first `step` to come (see generate)."""
+        return Generation(self, prompt, n_predict, rng, stats, sampling or self.sampling)
+
+    def generate(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        sampling: SamplingParams | None = None,
+    ) -> Iterator[Round]:
+        """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
+        (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
+        `sampling`: this generation's settings (None: the decoder's own), for the target
+        and the drafter alike, so that one decoder serves requests that sample differently.
+
+        `stats` is updated as it goes, so a caller that stops early (a stop string,
+        Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
+        This is `step` with one generation: the loop every slot of a server runs too.
+        """
+        generation = self.start(prompt, n_predict, rng, stats, sampling)
+        try:
+            while not generation.finished:
+                step([generation])
+                if generation.round:
+                    yield generation.round
+        finally:
+            generation.close()
+
+    def who_drafts(self, tokens: list[int], limit: int) -> tuple[DraftLength, str | None, int]:
+        """Who drafts this round, by which length policy, and how many tokens: with a
+        policy per source, the first of the drafter's sources whose policy drafts. If
+        none does, the round is the first one's, undrafted."""
+        if self.drafter is None:
+            return self.length, None, 0
+        if not self.lengths:  # one policy for every source: the drafter's first choice
+            return self.length, None, self.length.choose(limit)
+        policies = [(s, self.lengths.get(s, self.length)) for s in self.drafter.sources(tokens)]
+        for source, length in policies:
+            k = length.choose(limit)
+            if k > 0:
+                return length, source, k
+        return policies[0][1], None, 0
+
+    def verify(
+        self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams
+    ) -> tuple[list[int], int]:
+        """The accepted path (draft indices) and the next token. Row 0 of the target's
+        logits follows the context, row j + 1 draft token j."""
+        logits = self.target.logits
+        parents = draft.parent_list()
+        if sampling.greedy:
+            return verify_tree_greedy(draft.tokens, parents, lambda i: int(np.argmax(logits(i))))
+        return verify_tree_sampled(
+            draft.tokens, parents, draft.dists, lambda i: distribution(logits(i), sampling), rng
+        )
+
+
+@dataclass
+class Plan:
+    """A round before its draft: who drafts, by which policy, and how much."""
+
+    length: DraftLength
+    source: str | None
+    k: int
+    limit: int  # the most draft tokens this round may verify
+    unseen: list[int]  # tokens the target has still to see, first in its batch
+    # Whether fit_to_batch may shorten the draft: -k auto, greedy (a sampled text depends
+    # on k, and must not depend on what else is running).
+    fits: bool = False
+
+
+def step(generations: Sequence[Generation], budget: int | None = None) -> int:
+    """One round of every generation, in one target decode call: each drafts, stages its
+    verification batch (or a chunk of the prompt it is still reading) into the batch the
+    target contexts share, and after the one call verifies its rows. Every generation's
+    target must be a slot of one llama.cpp context (Context.split).
+
+    With several generations, their draft lengths are fitted to the batch as a whole
+    (see fit_to_batch): what a round costs is the cost of the whole batch. `budget`: the
+    most prompt tokens read in this call (None: as many as a batch holds). Returns the
+    call's number of tokens."""
+    if not generations:
+        return 0
+    target = generations[0].decoder.target
+    readers = [g for g in generations if g.reading]
+    players = [g for g in generations if not g.reading]
+    plans = [g.plan() for g in players]
+    alone = len(generations) == 1
+    if not alone:
+        read = sum(min(g.unread, target.n_batch) for g in readers)
+        fit_to_batch(plans, read)
+    for g in generations:
+        g.round = None
+    for g, plan in zip(players, plans, strict=True):
+        g.stage_round(plan)
+    room = target.batch_room if budget is None else min(target.batch_room, budget)
+    for g in readers:
+        room -= g.stage_prompt(room)
+    n_tokens = target.n_staged
+    target.flush()
+    for g in players:
+        g.conclude(timed=alone)
+    return n_tokens
+
+
+def fit_to_batch(plans: Sequence[Plan], extra: int = 0) -> None:
+    """Shorten the drafts that may be shortened (see Plan.fits) while that raises
+    the expected tokens per second of the whole batch: when several slots share one
+    target pass, its cost is the cost of all their tokens (plus `extra` prompt tokens),
+    and where verification turns compute-bound the drafts shrink, to none.
+
+    Greedy: take one token off the draft whose removal helps most, until none helps."""
+    fits = [p for p in plans if p.k > 0 and p.fits]
+    if not fits:
+        return
+    costs = fits[0].length.costs
+    fitted = {id(p) for p in fits}
+    others = [p for p in plans if id(p) not in fitted]
+    # What the other slots add: their tokens to the batch, and (at least) one new token each.
+    fixed = extra + sum(len(p.unseen) for p in plans) + sum(p.k for p in others)
+    gains = [p.length.expected_tokens(p.k) for p in fits]
+    drafts = [p.length.costs.draft_seconds for p in fits]
+
+    def rate(ks: list[int]) -> float:
+        tokens = len(others) + sum(gain[k] for gain, k in zip(gains, ks, strict=True))
+        drafting = sum(k * seconds for seconds, k in zip(drafts, ks, strict=True))
+        batch = fixed + sum(ks)
+        return tokens / (drafting + verify_cost(costs.verify, batch) * costs.target_seconds)
+
+    ks = [p.k for p in fits]
+    best = rate(ks)
+    while True:
+        tries = [[*ks[:i], k - 1, *ks[i + 1 :]] for i, k in enumerate(ks) if k > 0]
+        if not tries:
+            break
+        candidate = max(tries, key=rate)
+        if rate(candidate) <= best:
+            break
+        ks, best = candidate, rate(candidate)
+    for p, k in zip(fits, ks, strict=True):
+        p.k = k
+
+
+class Generation:
+    """One generation's state between rounds: its tokens, its figures, and its round in
+    two halves around the target's decode call (`stage_round`, then `conclude`)."""
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        sampling: SamplingParams,
+    ) -> None:
+        target = decoder.target
+        if not prompt:
+            raise UserError("the prompt is empty; give some text with -p, -f or stdin")
+        if len(prompt) >= target.n_ctx:
+            raise UserError(
+                f"the prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
+                "shorten the prompt or raise -c"
+            )
+        self.decoder, self.prompt, self.rng, self.stats = decoder, prompt, rng, stats
+        self.sampling = sampling
+        self.n_predict = target.n_ctx if n_predict < 0 else n_predict  # the context fills first
+        self.tokens = list(prompt)
+        self.n_new = 0
+        self.finished = False
+        self.round: Round | None = None  # the last step's new tokens
+        self.draft = NO_DRAFT
+        stats.k, stats.tree = decoder.label, decoder.tree_label
+        stats.prompt_tokens = len(prompt)
+        self._t_start = time.perf_counter()
+        # The last prompt token goes into the first verification batch.
+        stats.prompt_reused = target.reuse(prompt[:-1])
+        self._started = False
+        self._plan: Plan | None = None
+
+    # Reading the prompt.
+
+    @property
+    def unread(self) -> int:
+        """Prompt tokens the target has still to read (all but the last: see __init__)."""
+        return len(self.prompt) - 1 - len(self.decoder.target.tokens)
+
+    @property
+    def reading(self) -> bool:
+        return self.unread > 0
+
+    def stage_prompt(self, room: int) -> int:
+        """Stage the next chunk of the prompt, at most `room` tokens: how many it took."""
+        target = self.decoder.target
+        n = min(self.unread, room)
+        start = len(target.tokens)
+        target.stage(self.prompt[start : start + n])
+        return n
+
+    # Rounds.
+
+    def _begin(self) -> None:
+        """The prompt is read: the drafter reads it too, and the clocks start."""
+        decoder, stats = self.decoder, self.stats
+        if decoder.drafter:
+            decoder.drafter.begin(self.prompt, self.sampling)
+        for policy in (decoder.length, *decoder.lengths.values(), decoder.tree):
+            if policy:
+                policy.begin()
+        self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
+        self._contexts = [decoder.target, self._draft_ctx] if self._draft_ctx else [decoder.target]
+        self._verify_before = decoder.target.decode_seconds
+        self._draft_before = _decode_seconds(self._draft_ctx)
+        self._draft_calls_before = self._draft_ctx.decode_calls if self._draft_ctx else 0
+        self._llama_before = sum(c.perf_seconds() for c in self._contexts)
+        self._t_gen = self._round_end = time.perf_counter()
+        stats.prompt_seconds = self._t_gen - self._t_start
+        self._started = True
+
+    def plan(self) -> Plan:
+        """Who drafts this round and how much, as the slot's policies alone would have it."""
+        if not self._started:
+            self._begin()
+        target = self.decoder.target
+        # The target has not seen the last token (nor, after a recurrent model's
+        # rewind, a few before it): they go first in the verification batch, and
+        # the row of the last one predicts the next token.
+        unseen = self.tokens[len(target.tokens) :]
+        # A round yields at most k + 1 tokens: stay within -n and the context,
+        # and verify in one decode call (the logits of one call are all kept).
+        room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
+        limit = min(room - 1, target.n_batch - len(unseen))
+        length, source, k = self.decoder.who_drafts(self.tokens, limit)
+        fits = self.sampling.greedy and isinstance(length, AutoLength)
+        return Plan(length, source, k, limit, unseen, fits)
+
+    def stage_round(self, plan: Plan) -> None:
+        """Draft, and stage the verification batch: the unseen tokens, then the draft."""
+        decoder, target = self.decoder, self.decoder.target
+        tree, k = decoder.tree, plan.k
+        shape = tree.shape(k, plan.limit) if tree and k > 0 else None
+        length = plan.length
+        keep_drafting = length.keep_drafting if length.uses_confidence else None
+        self._draft_start = _decode_seconds(self._draft_ctx)
+        draft = NO_DRAFT
+        if decoder.drafter and k > 0:
+            draft = decoder.drafter.propose(
+                self.tokens, k, self.rng, keep_drafting, shape, plan.source
+            )
+        self._verify_start = target.decode_seconds
+        target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
+        # One pass over the unseen tokens and every draft token: row 0 of its
+        # logits follows the last unseen token, row j + 1 draft token j.
+        batch = [*plan.unseen, *draft.tokens]
+        parents = _batch_parents(len(plan.unseen), draft.parents)
+        target.stage(batch, len(draft.tokens) + 1, parents)
+        self.draft, self._plan = draft, plan
+
+    def conclude(self, timed: bool) -> None:
+        """After the decode call: keep what the target agrees with, and learn from it.
+        `timed`: the call was this generation's alone, so its clock is this round's."""
+        decoder, target, stats, draft = self.decoder, self.decoder.target, self.stats, self.draft
+        plan = self._plan
+        assert plan is not None
+        path, next_token = decoder.verify(draft, self.rng, self.sampling)
+        n_accepted = len(path)
+        beside = draft.beside_primary(path)  # a chain would have missed these
+        # Keep the accepted path, drop the rest (its last token is in batch place
+        # len(unseen) - 1 + path[-1] + 1; the last unseen one if nothing was).
+        target.keep_branch(len(plan.unseen) + (path[-1] if path else -1))
+        # The round's own time runs from the end of the last one: the consumer's
+        # work on the last tokens counts too.
+        round_start, self._round_end = self._round_end, time.perf_counter()
+        if self.sampling.greedy and timed:  # greedy text is the same whatever k: follow the clock
+            draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_start
+            verify_seconds: float | None = target.decode_seconds - self._verify_start
+            other_seconds = self._round_end - round_start - draft_seconds - verify_seconds
+        else:  # k decides which random numbers go where: a seed must reproduce (and a
+            # shared decode call's time is no one round's)
+            draft_seconds = verify_seconds = other_seconds = None
+        plan.length.observe(
+            draft, n_accepted, draft_seconds, verify_seconds, other_seconds, beside=beside
+        )
+        if decoder.tree:
+            decoder.tree.observe(draft, path)
+
+        new = [*(draft.tokens[i] for i in path), next_token]
+        eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)
+        if eog is not None:
+            new = new[:eog]
+            stats.stop_reason = "eos"
+        n_batch = len(plan.unseen) + len(draft.tokens)
+        stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
+        self.tokens += new
+        self.n_new += len(new)
+        stats.seconds = time.perf_counter() - self._t_gen
+        self.round = Round(new, min(n_accepted, len(new)), draft.source)
+        if not stats.stop_reason:
+            if self.n_new >= self.n_predict:
+                stats.stop_reason = "length"
+            elif len(self.tokens) >= target.n_ctx:
+                stats.stop_reason = "context"
+        self.finished = bool(stats.stop_reason)
+
+    def close(self) -> None:
+        """The generation's figures, whether it ran to its end or was stopped early."""
+        self.finished = True
+        if not self._started:
+            return
+        stats, target = self.stats, self.decoder.target
+        stats.seconds = time.perf_counter() - self._t_gen
+        stats.verify_seconds = target.decode_seconds - self._verify_before
+        stats.llama_seconds = sum(c.perf_seconds() for c in self._contexts) - self._llama_before
+        stats.draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_before
+        if self._draft_ctx:
+            stats.draft_calls = self._draft_ctx.decode_calls - self._draft_calls_before
+
+
+def _batch_parents(n_unseen: int, parents: list[int] | None) -> list[int] | None:
+    """The tree of a verification batch (see Context.decode): the unseen tokens in a
+    row, then the draft's tree hanging from the last of them. None: all a chain."""
+    if parents is None:
+        return None
+    last = n_unseen - 1
+    return [*range(-1, last), *(last + 1 + p if p >= 0 else last for p in parents)]
+
+
+def _decode_seconds(ctx: Context | None) -> float:
+    return ctx.decode_seconds if ctx else 0.0

@@ -1,0 +1,94 @@
+"""The engine: models loaded once (loading), decoders made as asked (policy), and
+generations from text to pieces of text. `run`, `bench` and `serve` go through it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.loading import LoadedModels
+from specdec_cli.decoding.pieces import Piece, PieceStream
+from specdec_cli.decoding.policy import Policy
+from specdec_cli.decoding.sampling import SamplingParams
+from specdec_cli.decoding.settings import EngineOptions, drafter_kind
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.models.chat import (
+    ChatOptions,
+    Message,
+    chat_tokens,
+    conversation,
+    own_chat_tokens,
+    render,
+)
+
+
+class Engine(LoadedModels):
+    """The loaded models, with a decoder per slot for the options' drafting."""
+
+    def __init__(self, options: EngineOptions, notify: Callable[[str], None] | None = None) -> None:
+        """`notify` hears of slow one-time work (measuring costs), for the user."""
+        super().__init__(options, notify)
+        self.policy = Policy(self)
+        kind = drafter_kind(options.draft is not None, options.ngram)
+        self.decoders = [
+            self.make_decoder(kind, options.drafting.k, slot=slot)
+            for slot in range(options.parallel)
+        ]
+        self.decoder = self.decoders[0]  # `run`'s, the first slot's
+
+    def make_decoder(
+        self, kind: str | None, k: str, tree: str | None = None, slot: int = 0
+    ) -> Decoder:
+        """See Policy.decoder."""
+        return self.policy.decoder(kind, k, tree, slot)
+
+    def fits_tree(self, tree: str) -> bool:
+        return self.policy.fits_tree(tree)
+
+    def tokenize(self, prompt: str | None, chat: ChatOptions | None = None) -> list[int]:
+        """The prompt's tokens; with `chat`, wrapped in the target's chat format (the
+        prompt may then be None: the conversation is in chat.history)."""
+        if chat is not None:
+            return self.tokenize_messages(conversation(prompt, chat), chat.template)
+        assert prompt is not None
+        tokens = self.model.tokenize(prompt)
+        if self.translation is not None:  # a translated draft tokenizes the prompt its own way
+            self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
+        return tokens
+
+    def tokenize_messages(self, messages: list[Message], template: str | None = None) -> list[int]:
+        """A conversation's tokens in the target's chat format (`template`, or its own),
+        and for a translated draft in the draft's own."""
+        tokens = chat_tokens(self.model, render(self.model, messages, template))
+        if self.translation is not None:
+            draft = self.translation.draft
+            self.translation.remember(tokens, own_chat_tokens(draft, messages))
+        return tokens
+
+    def pieces(
+        self,
+        prompt: list[int],
+        n_predict: int,
+        rng: np.random.Generator,
+        stats: Stats,
+        stop: tuple[str, ...] = (),
+        decoder: Decoder | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Iterator[Piece]:
+        """Yield one Piece per generated token, saying who proposed it, and a last one
+        (token None) for text held back until the end. `sampling`: this generation's
+        (None: the options')."""
+        stream = PieceStream(self.model, stop)
+        stats.flash_attn = self.flash_attn
+        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats, sampling)
+        try:
+            for new in rounds:
+                yield from stream.round(new)
+                if stream.stopped:
+                    stats.stop_reason = "stop"
+                    return
+            yield stream.finish()
+        finally:
+            rounds.close()

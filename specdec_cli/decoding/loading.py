@@ -1,0 +1,333 @@
+"""Loading: the models, their contexts and slots, on the devices asked for, and what is
+measured of them once (flash attention on or off, the costs of a decode call)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+from specdec_cli.decoding.costmodel import (
+    FLASH_ATTN_BATCHES,
+    Costs,
+    faster_flash_attn,
+    measure_costs,
+    time_decodes,
+)
+from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
+from specdec_cli.decoding.stats import FlashAttnChoice
+from specdec_cli.decoding.translate import Translation
+from specdec_cli.decoding.treeshape import MAX_WIDTH
+from specdec_cli.errors import UserError
+from specdec_cli.llamacpp import backend, costcache
+from specdec_cli.llamacpp.llama import (
+    LLAMA_MAX_SEQ,
+    Context,
+    ContextParams,
+    Model,
+    ModelParams,
+    init_backend,
+)
+from specdec_cli.llamacpp.machine import physical_cores
+from specdec_cli.llamacpp.probe import choose_repack
+from specdec_cli.models import compat, gguf_meta
+
+# A translated draft's context holds this many times the target's: the same text can
+# take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
+TRANSLATED_ROOM = 2
+# Where -fa auto compares flash attention on and off: a few hundred tokens in, where
+# attention's share of a decode starts to show (at most half the context).
+FLASH_ATTN_POSITION = 256
+
+Loaded = TypeVar("Loaded", bound="LoadedModels")
+
+
+def model_params(
+    n_gpu_layers: int | None, device: str | None, flag: str, repack: bool
+) -> ModelParams:
+    """What llama.cpp is told to load a model with; None leaves llama.cpp's default."""
+    devices = None
+    if device is not None:
+        devices = tuple(backend.pick_devices(device, backend.gpu_devices(), flag))
+    layers = ModelParams.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
+    return ModelParams(layers, devices, repack)
+
+
+def _draft_device(options: EngineOptions) -> tuple[str | None, str]:
+    """The draft's -devd, or else -dev as llama.cpp does; and the flag it came from."""
+    if options.device_draft is not None:
+        return options.device_draft, "-devd"
+    return options.device, "-dev"
+
+
+def offload_warning(options: EngineOptions, can_offload: bool) -> str | None:
+    """One line when -ngl/-ngld asked for GPU layers that this build cannot offload."""
+    given = [
+        flag
+        for flag, layers in (("-ngl", options.n_gpu_layers), ("-ngld", options.n_gpu_layers_draft))
+        if layers not in (None, 0)
+    ]
+    if can_offload or not given:
+        return None
+    return (
+        f"this llama.cpp build has no GPU backend ({', '.join(backend.backend_names())} only): "
+        f"{' and '.join(given)} ignored, the models run on the CPU "
+        "(to offload, reinstall llama-cpp-python with GPU support: see the README, GPU builds)"
+    )
+
+
+class LoadedModels:
+    """The target and draft models, their contexts and slots, and what was measured of
+    them (flash attention, the costs -k auto prices drafts with)."""
+
+    def __init__(self, options: EngineOptions, notify: Callable[[str], None] | None = None) -> None:
+        """`notify` hears of slow one-time work (measuring costs), for the user."""
+        self.options = options
+        self.notify = notify
+        draft_path = options.draft
+        init_backend(options.verbose)
+        pairing = check_models(options.target, draft_path)
+        self.warnings = pairing.warnings + batch_warnings(options)
+        self.repack, repack_note = choose_repack(options.repack)
+        offload_note = offload_warning(options, backend.supports_gpu_offload())
+        self.warnings += [note for note in (repack_note, offload_note) if note]
+        # Both checked (device names) before the first, maybe long, load.
+        repack = self.repack
+        target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
+        draft_params = model_params(options.n_gpu_layers_draft, *_draft_device(options), repack)
+        self._owned: list[Model | Context] = []
+        self.model = self._own(Model(options.target, target_params))
+        parallel = options.parallel
+        n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
+        threads = options.threads or physical_cores()
+        # Before the contexts: their flash attention setting is fixed when they are made.
+        self.flash_attn = self._choose_flash_attn(n_ctx, threads)
+        draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx)
+        # A tree's leaves are the target's sequences; the draft needs one per node it
+        # extends (see drafters._Growth). Each slot has as many of its own.
+        target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
+        draft_seqs = min(LLAMA_MAX_SEQ // parallel, MAX_WIDTH * self._longest_draft() + 1)
+        target_params = self._context_params(
+            n_ctx, threads, n_rs_seq=self._longest_draft(), n_seq_max=target_seqs * parallel
+        )
+        self.target = self._own(Context(self.model, target_params))
+        self.draft_ctx: Context | None = None
+        self._costs: Costs | None = None
+        if draft_model:
+            # The draft must be able to hold the same sequence as the target.
+            context_params = self._context_params(
+                self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1),
+                options.threads_draft or threads,
+                n_seq_max=(draft_seqs if self.tree_nodes else 1) * parallel,
+            )
+            self.draft_ctx = self._own(Context(draft_model, context_params))
+        # The slots: one generation each, all verified in one decode call (see decode.step).
+        self.slots = self.target.split(parallel) if parallel > 1 else [self.target]
+        self.draft_slots: list[Context | None] = [None] * parallel
+        if self.draft_ctx:
+            draft = self.draft_ctx
+            self.draft_slots = list(draft.split(parallel)) if parallel > 1 else [draft]
+        # A draft of another vocabulary: its prompts, and the texts both vocabularies share.
+        self.translation: Translation | None = None
+        if draft_model and pairing.translated:
+            self._translate_drafts(draft_model, pairing.differences[0])
+
+    def _translate_drafts(self, draft_model: Model, why: str) -> None:
+        self.translation = Translation(self.model, draft_model)
+        self.warnings.append(
+            f"{draft_model.path.name} has another vocabulary than {self.model.path.name} "
+            f"({why}): its drafts are translated, by their text when greedy, among the "
+            f"{self.translation.shared.n_shared} token texts both share when sampling"
+        )
+
+    def _context_params(
+        self, n_ctx: int, threads: int, n_rs_seq: int = 0, n_seq_max: int = 1
+    ) -> ContextParams:
+        o = self.options
+        return ContextParams(
+            n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max
+        )
+
+    def _tree_nodes(self, draft_model: Model | None, n_ctx: int) -> int:
+        """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
+        decode call, and a context holds at most a batch's worth of sequences (one per
+        leaf, and the accepted one). A recurrent model keeps one state per sequence, not
+        per branch: it drafts and verifies chains."""
+        tree = self.options.drafting.tree
+        nodes = parse_tree(tree) or 0
+        recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
+        if nodes and recurrent:
+            if tree != "auto":  # auto: trees where they pay, and they cannot here
+                raise UserError(
+                    f"--tree {tree}: {recurrent[0]} is recurrent and cannot verify or draft "
+                    "a tree (its state is one per sequence); use --tree off"
+                )
+            return 0
+        parallel = self.options.parallel
+        nodes = min(nodes, self.options.n_batch // parallel - 1, n_ctx // parallel - 1)
+        nodes = min(nodes, LLAMA_MAX_SEQ // parallel - 1)  # a sequence per leaf, per slot
+        return nodes if nodes >= 2 else 0
+
+    def _longest_draft(self) -> int:
+        """The most draft tokens one round can verify, within one decode call."""
+        d = self.options.drafting
+        n = parse_k(d.k) or d.draft_max
+        return max(0, min(n, self.options.n_batch - 1))
+
+    def _own(self, obj):
+        self._owned.append(obj)
+        return obj
+
+    def costs(self) -> Costs:
+        """The draft's and the target's measured costs, for -k auto: measured once per
+        models and settings, and kept on disk (see costcache)."""
+        if self._costs is None:
+            # A batch must fit in the context after the measuring position.
+            # With slots, a batch holds every slot's round.
+            widest = max(self.options.drafting.draft_max, self.tree_nodes)
+            top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
+            # Every size up to 5, where k mostly settles (their costs are uneven: 2
+            # tokens can cost less than 1); beyond, sizes double up to the largest, and
+            # those in between are interpolated.
+            sizes = {*range(1, min(top, 5) + 1), top}
+            sizes |= {2**i + 1 for i in range(top.bit_length()) if 2**i < top}
+            key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
+            self._costs = costcache.load(key)
+            if self._costs is None:
+                self._announce("the models' costs for -k auto", "these models")
+                costcache.save(key, self.measure_costs(sizes, reps=5))
+        return self._costs
+
+    def _announce(self, what: str, scope: str) -> None:
+        """Tell the user why this run pauses: one-time work, kept in the cache."""
+        if self.notify:
+            self.notify(
+                f"measuring {what} (once for {scope} and settings; kept in {costcache.cache_dir()})"
+            )
+
+    def _choose_flash_attn(self, n_ctx: int, threads: int) -> FlashAttnChoice:
+        """-fa as given, or for "auto" whichever of on and off decodes the target faster
+        on this machine: measured once per target and settings, kept in the cache."""
+        asked = self.options.flash_attn
+        if asked != "auto":
+            return FlashAttnChoice(asked, asked)
+        o = self.options
+        settings = {
+            "measure": "flash_attn",
+            "threads": threads,
+            "gpu_layers": o.n_gpu_layers,
+            "device": o.device,
+            "repack": self.repack,
+        }
+        key = costcache.cache_key([o.target], settings)
+        used = (costcache.load_entry("flash_attn", key) or {}).get("used")
+        if used not in ("on", "off"):
+            self._announce("flash attention on and off for -fa auto", "this model")
+            used = faster_flash_attn(self.time_flash_attn(n_ctx, threads))
+            costcache.save_entry("flash_attn", key, {"used": used})
+        return FlashAttnChoice(asked, used)
+
+    def time_flash_attn(self, n_ctx: int, threads: int) -> dict[str, float]:
+        """Seconds of the target's decodes with flash attention "on" and "off", in two
+        short-lived contexts (see costmodel.time_decodes)."""
+        position = min(FLASH_ATTN_POSITION, n_ctx // 2)
+        size = position + max(FLASH_ATTN_BATCHES) + 1
+        contexts: dict[str, Context] = {}
+        try:
+            for setting in ("on", "off"):
+                contexts[setting] = Context(self.model, ContextParams(size, threads, setting))
+            return time_decodes(contexts, position)
+        finally:
+            for context in contexts.values():
+                context.close()
+
+    def describe(self) -> dict[str, object]:
+        """What a run with these models and settings needs to be reproduced."""
+        o = self.options
+        models = {"target": o.target, "draft": o.draft}
+        return {
+            "models": {
+                role: {"path": str(path), "bytes": path.stat().st_size}
+                for role, path in models.items()
+                if path
+            },
+            "n_ctx": self.target.n_ctx,
+            "threads": self.target.threads,
+            "threads_draft": self.draft_ctx.threads if self.draft_ctx else None,
+            "n_batch": o.n_batch,
+            "n_ubatch": o.n_ubatch,
+            **self._load_settings(),
+        }
+
+    def _model_paths(self) -> list[Path]:
+        o = self.options
+        return [o.target, o.draft] if o.draft else [o.target]
+
+    def _load_settings(self) -> dict[str, object]:
+        """How the models were loaded, as far as it changes what a decode costs."""
+        o = self.options
+        return {
+            "gpu_layers": [o.n_gpu_layers, o.n_gpu_layers_draft],
+            "devices": [o.device, o.device_draft],
+            "repack": self.repack,
+        }
+
+    def _cost_settings(self, sizes: set[int]) -> dict[str, object]:
+        """What, besides the model files, changes what a decode call costs."""
+        return {
+            "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
+            "flash_attn": self.flash_attn.used,
+            "sizes": sorted(sizes),
+            **self._load_settings(),
+        }
+
+    def measure_costs(self, sizes: Iterable[int], reps: int = 9, position: int = 64) -> Costs:
+        """Measure (again) at `position` tokens into the context; later decoders use these."""
+        sizes = set(sizes)
+        position = max(1, min(position, self.target.n_ctx - max(sizes) - 1))
+        self._costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
+        return self._costs
+
+    def close(self) -> None:
+        for obj in reversed(self._owned):
+            obj.close()
+        self._owned.clear()
+
+    def __enter__(self: Loaded) -> Loaded:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def batch_warnings(options: EngineOptions) -> list[str]:
+    """A round verifies its draft in one decode call of at most -b tokens: the draft
+    token plus the one before it. Longer drafts are cut; say so."""
+    d, most = options.drafting, options.n_batch - 1
+    asked = [("-k", parse_k(d.k) or 0), ("--draft-max", d.draft_max if d.k == "auto" else 0)]
+    return [
+        f"{flag} {n} is more than one batch can verify; drafts stop at {most} tokens "
+        "(raise -b to allow more)"
+        for flag, n in asked
+        if n > most
+    ]
+
+
+def check_models(target: Path, draft: Path | None) -> compat.CompatReport:
+    """Refuse files llama.cpp would choke on, and drafts that cannot pair with the target,
+    before loading any weights. The report says whether drafts are translated, and what
+    is worth a warning."""
+    files = [gguf_meta.read_gguf(path) for path in (target, draft) if path]
+    for file in files:
+        if file.vocab_only:
+            raise UserError(compat.vocab_only_message(file))
+    if draft is None:
+        return compat.CompatReport()
+    report = compat.check_pair(*(compat.facts_of(file) for file in files))
+    if not report.ok:
+        raise UserError(
+            f"{draft.name} cannot draft for {target.name}: {report.problems[0]} "
+            "(run `specdec check -m TARGET -d DRAFT` for the full report)"
+        )
+    return report

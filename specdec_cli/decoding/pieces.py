@@ -1,0 +1,53 @@
+"""Rounds of tokens as pieces of text: who proposed each token, and the text it lets out
+(whole UTF-8 characters only, a possible stop string held back until it is ruled out)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdec_cli.decoding.decode import Round
+from specdec_cli.decoding.textstream import TextStream
+from specdec_cli.llamacpp.llama import Model
+
+TARGET = "target"  # a Piece's `by` when the target chose the token itself
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One generated token and the text it lets out (held-back text of the tokens
+    before it included; "" while a character or a possible stop string is incomplete)."""
+
+    text: str
+    token: int | None  # None: the end of generation, releasing what was held back
+    by: str  # TARGET, or the drafter whose guess the target accepted ("model", "ngram")
+
+    @property
+    def drafted(self) -> bool:
+        return self.by != TARGET
+
+
+class PieceStream:
+    """One generation's rounds in, its pieces out, up to the first stop string."""
+
+    def __init__(self, model: Model, stop: tuple[str, ...] = ()) -> None:
+        self.model = model
+        self.text = TextStream(stop)
+
+    @property
+    def stopped(self) -> bool:
+        """A stop string was met: the generation is over, and its text ends before it."""
+        return self.text.stopped
+
+    def round(self, new: Round) -> list[Piece]:
+        """A round's pieces, one per token, up to the one that completes a stop string."""
+        pieces = []
+        for i, token in enumerate(new.tokens):
+            text = self.text.push(self.model.piece(token))
+            pieces.append(Piece(text, token, new.source if i < new.n_drafted else TARGET))
+            if self.text.stopped:
+                break
+        return pieces
+
+    def finish(self) -> Piece:
+        """The last piece: the text held back until the end (token None)."""
+        return Piece(self.text.flush(), None, TARGET)

@@ -1,0 +1,127 @@
+"""Policy: who drafts, how much, and how wide, from the options and the measured costs.
+
+A Decoder is one slot's policy in objects: its drafter (a draft model, in the target's
+vocabulary or translated; a lookup; both), its draft-length policy (fixed, or -k auto
+priced with what that drafter costs) and its tree policy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
+from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.settings import parse_k, parse_tree
+from specdec_cli.decoding.translate import TranslatedDrafter
+from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy
+from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.llama import Context
+
+if TYPE_CHECKING:
+    from specdec_cli.decoding.loading import LoadedModels
+
+LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
+VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see NgramDrafter)
+# ...and for a draft of another vocabulary, whose guesses reach the target through its
+# text (benchmarks/README.md, "Any draft for any target").
+TRANSLATED_PRIOR = 0.5
+
+
+class Policy:
+    """Decoders for the loaded models, as the options and a request ask."""
+
+    def __init__(self, models: LoadedModels) -> None:
+        self.models = models
+
+    def decoder(self, kind: str | None, k: str, tree: str | None = None, slot: int = 0) -> Decoder:
+        """A decoder for `slot`, drafting with `kind` ("model", "ngram", "model+ngram", or
+        None for target-only), draft length k (a number or "auto") and `tree` ("off",
+        "auto" or a number of tokens; None: the options'). All decoders share the loaded
+        models; a slot's decoders share its part of their contexts."""
+        d, sampling = self.models.options.drafting, self.models.options.sampling
+        tree = d.tree if tree is None else tree
+        target, draft_ctx = self.models.slots[slot], self.models.draft_slots[slot]
+        if kind is None:
+            return Decoder(target, None, sampling)
+        lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
+        if kind == "ngram":
+            drafter: Drafter = lookup
+        elif draft_ctx is None:
+            raise UserError("no draft model is loaded; pass one with -d")
+        elif kind == "model":
+            drafter = self.model_drafter(draft_ctx)
+        else:
+            # Next to a draft model, only longer matches are worth more than its guess.
+            n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
+            lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy)
+            drafter = LookupThenModel(lookup, self.model_drafter(draft_ctx))
+        # With -k auto, a lookup beside the model has a length policy of its own: it learns
+        # that copied text is accepted far longer than the model's guesses.
+        auto = parse_k(k) is None
+        own = kind == "model+ngram" and auto
+        lengths = {"ngram": self._draft_length("ngram", k)} if own else {}
+        if auto and kind != "model":
+            # A verbatim repeat is accepted far longer still: it starts out trusted.
+            lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
+        translated = self.models.translation is not None and kind != "ngram"
+        length = self._draft_length(kind, k, TRANSLATED_PRIOR if translated else AutoLength.PRIOR)
+        policy = self._tree_policy(tree, kind)
+        return Decoder(
+            target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
+        )
+
+    def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
+        """The draft model's drafter: in the target's vocabulary, or translated to it."""
+        sampling = self.models.options.sampling
+        if self.models.translation is None:
+            return ModelDrafter(ctx, sampling, self.models.model.n_vocab)
+        return TranslatedDrafter(ModelDrafter(ctx, sampling), self.models.translation)
+
+    def _draft_length(self, kind: str, k: str, prior: float = AutoLength.PRIOR) -> DraftLength:
+        """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
+        with what this drafter costs and starting from `prior` acceptance."""
+        d = self.models.options.drafting
+        n = parse_k(k)
+        if n is not None:
+            return FixedLength(n, d.p_min)
+        return AutoLength(
+            self._costs_for(kind),
+            d.draft_min,
+            d.draft_max,
+            d.p_min,
+            uses_confidence=d.p_min > 0.0,
+            prior=prior,
+        )
+
+    def fits_tree(self, tree: str) -> bool:
+        """Whether a tree setting is no wider than this engine was made for. "auto"
+        always fits: where no tree can be drafted, it drafts chains."""
+        nodes = parse_tree(tree)
+        return nodes is None or tree == "auto" or nodes <= self.models.tree_nodes
+
+    def _tree_policy(self, tree: str, kind: str) -> TreePolicy | None:
+        nodes = parse_tree(tree)
+        if nodes is None or not self.models.tree_nodes:
+            return None
+        if not self.fits_tree(tree):
+            raise UserError(
+                f"--tree {tree} is wider than this engine was made for ({self.models.tree_nodes})"
+            )
+        if tree == "auto":
+            return AutoTree(self._costs_for(kind), min(nodes, self.models.tree_nodes))
+        return FixedTree(nodes)
+
+    def _costs_for(self, kind: str) -> Costs:
+        """The measured costs as a drafter of this kind pays them: a lookup costs next
+        to nothing; a translated draft model takes as many draft calls a target token
+        as its tokens are shorter than the target's."""
+        costs = self.models.costs()
+        if kind == "ngram":
+            return replace(costs, draft_over_target=0.0)
+        if self.models.translation is not None:
+            calls = self.models.translation.calls_per_token
+            return replace(costs, draft_over_target=costs.draft_over_target * calls)
+        return costs

@@ -1,0 +1,181 @@
+"""Slots: several generations at once, each in a slot of the shared target (and draft)
+context, all advanced by the one decode loop (decode.step), one round per call.
+
+The scheduler owns the slots: it places a new generation in the free slot whose cache
+shares the longest start with its prompt (llama-server's prompt cache), runs one step
+for every busy slot, hands each round's pieces to whoever asked for them, and frees a
+slot the moment its generation ends, is cancelled, or fails. It knows nothing of HTTP:
+the server gives it tasks and hears back through their callbacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdec_cli.decoding.decode import Generation, step
+from specdec_cli.decoding.pieces import Piece, PieceStream
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp.llama import Context
+
+
+@dataclass
+class Task:
+    """A generation in a slot, and where what it makes goes. `emit` hears every piece;
+    `done` the end (its figures, and the error if it failed); `cancelled` is asked
+    before every step."""
+
+    generation: Generation
+    pieces: PieceStream
+    emit: Callable[[Piece], None]
+    done: Callable[[Stats, Exception | None], None]
+    cancelled: Callable[[], bool]
+    request_id: str = ""
+
+
+@dataclass
+class Slot:
+    index: int
+    target: Context
+    task: Task | None = None
+    started: float = 0.0  # when its task began (time.time)
+
+
+@dataclass
+class Counters:
+    """What the decode calls held, for /metrics (llama-server's names)."""
+
+    decodes: int = 0  # decode calls made by the loop
+    busy_slot_decodes: int = 0  # summed over those calls: the slots each one advanced
+    decoded_tokens: int = 0  # summed: the tokens each one held
+
+
+@dataclass
+class Scheduler:
+    """The slots of one target context, and the loop that advances them together.
+    `chunk`: the most prompt tokens read in one decode call while other slots generate
+    (their next tokens wait for it)."""
+
+    targets: list[Context]
+    chunk: int
+    slots: list[Slot] = field(init=False)
+    counters: Counters = field(default_factory=Counters)
+
+    def __post_init__(self) -> None:
+        self.slots = [Slot(i, target) for i, target in enumerate(self.targets)]
+
+    @property
+    def busy(self) -> list[Slot]:
+        return [slot for slot in self.slots if slot.task]
+
+    def free_slot(self, prompt: list[int]) -> Slot | None:
+        """The free slot whose cache holds the longest start of `prompt`; among equals,
+        the one with least cached (another prompt's cache is kept for its next turn),
+        then the lowest numbered. None when every slot is busy."""
+        free = [slot for slot in self.slots if slot.task is None]
+        if not free:
+            return None
+
+        def fit(slot: Slot) -> tuple[int, int, int]:
+            cached = slot.target.tokens
+            return _common_prefix(cached, prompt), -len(cached), -slot.index
+
+        return max(free, key=fit)
+
+    def start(self, slot: Slot, task: Task) -> None:
+        slot.task, slot.started = task, time.time()
+
+    def step(self) -> None:
+        """Cancelled tasks end; every other busy slot advances by one round (or one
+        chunk of its prompt), all in one target decode call."""
+        for slot in self.busy:
+            assert slot.task is not None
+            if slot.task.cancelled():
+                slot.task.generation.stats.stop_reason = "cancelled"
+                self._end(slot)
+        busy = self.busy
+        if not busy:
+            return
+        generations = [slot.task.generation for slot in busy if slot.task]
+        generating = any(not g.reading for g in generations)
+        try:
+            n_tokens = step(generations, self.chunk if generating else None)
+        except Exception as error:  # every slot of the call fails; the server goes on
+            for slot in busy:
+                self._end(slot, error)
+            return
+        self.counters.decodes += 1
+        self.counters.busy_slot_decodes += len(busy)
+        self.counters.decoded_tokens += n_tokens
+        for slot in busy:
+            self._deliver(slot)
+
+    def _deliver(self, slot: Slot) -> None:
+        """The slot's new pieces to its task; its end, if this round was its last."""
+        task = slot.task
+        assert task is not None
+        generation = task.generation
+        if generation.round is None:  # it read a chunk of its prompt
+            return
+        for piece in task.pieces.round(generation.round):
+            task.emit(piece)
+        if task.pieces.stopped:
+            generation.stats.stop_reason = "stop"
+            self._end(slot)
+        elif generation.finished:
+            task.emit(task.pieces.finish())
+            self._end(slot)
+
+    def _end(self, slot: Slot, error: Exception | None = None) -> None:
+        task = slot.task
+        assert task is not None
+        slot.task = None
+        task.generation.close()
+        task.done(task.generation.stats, error)
+
+    def stop_all(self) -> None:
+        """End every task now (the server is stopping)."""
+        for slot in self.busy:
+            assert slot.task is not None
+            slot.task.generation.stats.stop_reason = "cancelled"
+            self._end(slot)
+
+    def describe(self) -> list[dict[str, object]]:
+        """Each slot as /slots shows it."""
+        return [_describe(slot) for slot in self.slots]
+
+
+def _describe(slot: Slot) -> dict[str, object]:
+    described: dict[str, object] = {"id": slot.index, "n_ctx": slot.target.n_ctx}
+    task = slot.task
+    if task is None:
+        idle = {"state": "idle", "is_processing": False, "n_cached": len(slot.target.tokens)}
+        return described | idle
+    g, stats = task.generation, task.generation.stats
+    return described | {
+        "state": "reading" if g.reading else "generating",
+        "is_processing": True,
+        "id_task": task.request_id,
+        "started": slot.started,
+        "n_prompt_tokens": stats.prompt_tokens,
+        "n_cached": stats.prompt_reused,
+        "n_decoded": stats.tokens,
+        "n_predict": g.n_predict,
+        "speculative": {
+            "k": stats.k,
+            "tree": stats.tree,
+            "draft_n": stats.drafted,
+            "draft_n_accepted": stats.accepted,
+            "target_passes": stats.target_passes,
+        },
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,1 @@
+"""`specdec serve`: OpenAI request checking, the HTTP server, the web page."""

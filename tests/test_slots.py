@@ -1,0 +1,229 @@
+"""Slots: several generations in one decode loop, each exactly as it would be alone.
+
+Every step verifies every busy slot's round (and reads a chunk of any prompt being
+read) in one target decode call; each slot has its own sequences in the shared
+contexts. On models whose logits do not depend on batch shape (F32), a generation's
+text must not depend on what else runs beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_decode import MODERATE_COSTS, PROMPT, SAMPLING, open_engine, pin_costs
+
+from specdec_cli.decoding import scheduler as scheduler_module
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.decode import Decoder, Generation, Plan, fit_to_batch, step
+from specdec_cli.decoding.draftlength import AutoLength, FixedLength
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.pieces import PieceStream
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams
+from specdec_cli.decoding.scheduler import Scheduler, Task
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
+
+LONG_PROMPT = PROMPT + " and then" * 30  # read in several chunks below
+
+
+@dataclass
+class Job:
+    decoder: Decoder
+    prompt: list[int]
+    n_predict: int = 40
+    sampling: SamplingParams = GREEDY
+    seed: int = 0
+    start_at: int = 0  # the step it joins at
+
+
+def run_together(jobs: list[Job], budget: int | None = None) -> list[list[int]]:
+    """Every job's tokens, the jobs run side by side by the one loop (decode.step)."""
+    outs: list[list[int]] = [[] for _ in jobs]
+    running: dict[int, Generation] = {}
+    steps = 0
+    while steps == 0 or running or any(j.start_at >= steps for j in jobs):
+        for i, job in enumerate(jobs):
+            if job.start_at == steps:
+                rng = np.random.default_rng(job.seed)
+                running[i] = job.decoder.start(
+                    job.prompt, job.n_predict, rng, Stats(), job.sampling
+                )
+        step(list(running.values()), budget)
+        steps += 1
+        for i, generation in list(running.items()):
+            if generation.round:
+                outs[i] += generation.round.tokens
+            if generation.finished:
+                generation.close()
+                del running[i]
+    return outs
+
+
+def alone(target: Path, job: Job, draft: Path | None = None) -> list[int]:
+    """The job's tokens with the target alone, in an engine of one slot."""
+    with open_engine(target, None, sampling=job.sampling) as engine:
+        stats, rng = Stats(), np.random.default_rng(job.seed)
+        rounds = engine.decoder.generate(job.prompt, job.n_predict, rng, stats, job.sampling)
+        return [t for r in rounds for t in r.tokens]
+
+
+def parallel_engine(
+    target: Path,
+    draft: Path | None,
+    parallel: int,
+    k: int | str = 4,
+    sampling: SamplingParams = GREEDY,
+    tree: str = "auto",
+) -> Engine:
+    """An engine of `parallel` slots of 256 tokens each."""
+    drafting = DraftOptions(k=str(k), tree=tree)
+    options = EngineOptions(target, draft, n_ctx=256 * parallel, threads=1, parallel=parallel)
+    return Engine(replace(options, sampling=sampling, drafting=drafting))
+
+
+@pytest.fixture
+def moderate_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_costs(monkeypatch, MODERATE_COSTS)
+
+
+def test_greedy_slots_equal_each_generation_alone(
+    target_model: Path, draft_model: Path, moderate_costs: None
+) -> None:
+    """Four slots, four ways of drafting (model with lookup and a tree, a model chain at
+    k=3, n-gram lookup, none), prompts that share a start, one read in chunks while the
+    others generate, and one joining late: each text is the target's alone."""
+    with parallel_engine(target_model, draft_model, 4, k="auto", tree="auto") as engine:
+        short, long = engine.tokenize(PROMPT), engine.tokenize(LONG_PROMPT)
+        other = engine.tokenize(PROMPT + " the little dog")
+        jobs = [
+            Job(engine.decoders[0], short),
+            Job(engine.make_decoder("model", "3", "off", slot=1), other),
+            Job(engine.make_decoder("ngram", "auto", "auto", slot=2), long, start_at=3),
+            Job(engine.make_decoder(None, "auto", slot=3), short, n_predict=25, start_at=7),
+        ]
+        together = run_together(jobs, budget=16)
+    for job, tokens in zip(jobs, together, strict=True):
+        assert tokens == alone(target_model, job)
+
+
+def test_a_seeded_sampled_generation_is_the_same_beside_others(
+    target_model: Path, draft_model: Path, moderate_costs: None
+) -> None:
+    """Its draft lengths are its own policy's (never fitted to the batch, and untimed),
+    so its random numbers go where they go alone; a greedy neighbour changes nothing."""
+    with parallel_engine(target_model, draft_model, 2, k="auto", sampling=SAMPLING) as engine:
+        prompt = engine.tokenize(PROMPT)
+        sampled = Job(engine.decoders[0], prompt, 48, SAMPLING, seed=7)
+        first = run_together([sampled])[0]
+        neighbour = Job(engine.decoders[1], engine.tokenize(LONG_PROMPT), 48)
+        beside = run_together([replace(sampled), neighbour])[0]
+        other_seed = run_together([replace(sampled, seed=8)])[0]
+    assert beside == first
+    assert other_seed != first  # the control: the seed does decide the text
+
+
+def test_recurrent_slots_keep_their_own_state(mamba_pair: tuple[Path, Path]) -> None:
+    """A recurrent model's state is one per sequence: each slot's rejected drafts are
+    undone in its own state alone."""
+    target, draft = mamba_pair
+    with parallel_engine(target, draft, 2, k=3) as engine:
+        jobs = [
+            Job(engine.decoders[0], engine.tokenize(PROMPT)),
+            Job(engine.decoders[1], engine.tokenize(PROMPT + " a cat"), start_at=2),
+        ]
+        together = run_together(jobs)
+    for job, tokens in zip(jobs, together, strict=True):
+        assert tokens == alone(target, job)
+
+
+def plan(policy: AutoLength | FixedLength, k: int, fits: bool = True) -> Plan:
+    return Plan(policy, None, k, 16, [1], fits)
+
+
+def auto(costs: Costs) -> AutoLength:
+    return AutoLength(costs, 0, 8, uses_confidence=False, prior=0.9)
+
+
+def test_fit_to_batch_shrinks_drafts_where_verification_is_compute_bound() -> None:
+    flat = Costs(0.01, 0.01, {n: 1.0 + 0.02 * (n - 1) for n in range(1, 66)})
+    steep = Costs(0.01, 0.01, {n: float(n) for n in range(1, 66)})
+    kept = [plan(auto(flat), 4) for _ in range(4)]
+    fit_to_batch(kept)
+    assert [p.k for p in kept] == [4, 4, 4, 4]  # nearly free to verify: drafts stay
+    shrunk = [plan(auto(steep), 4) for _ in range(4)]
+    fit_to_batch(shrunk)
+    assert [p.k for p in shrunk] == [0, 0, 0, 0]  # every token costs a pass: no drafts
+    # -k N, and sampled generations (fits False), keep their length whatever it costs.
+    fixed = [plan(FixedLength(4), 4, fits=False), plan(auto(steep), 4, fits=False)]
+    fit_to_batch(fixed)
+    assert [p.k for p in fixed] == [4, 4]
+
+
+def test_fit_to_batch_counts_the_other_slots_tokens() -> None:
+    """Verification flat up to 8 tokens, then each token a whole pass. Alone, a 4-token
+    draft rides free; beside 7 slots that fill the flat part, it would cost 4 passes."""
+    knee = Costs(0.01, 0.01, {n: max(1.0, n - 7.0) for n in range(1, 66)})
+    single = [plan(auto(knee), 4)]
+    fit_to_batch(single)
+    assert single[0].k == 4
+    others = [plan(FixedLength(0), 0, fits=False) for _ in range(7)]
+    crowded = [plan(auto(knee), 4), *others]
+    fit_to_batch(crowded)
+    assert crowded[0].k == 0
+
+
+def make_task(engine: Engine, slot: int, prompt: list[int], log: list[str]) -> Task:
+    decoder = engine.decoders[slot]
+    generation = decoder.start(prompt, 8, np.random.default_rng(0), Stats())
+    return Task(
+        generation,
+        PieceStream(engine.model),
+        lambda piece: None,
+        lambda stats, error: log.append(f"{slot}:{stats.stop_reason}:{error is not None}"),
+        lambda: False,
+    )
+
+
+def test_scheduler_places_by_shared_prefix_and_frees_slots(target_model: Path) -> None:
+    with parallel_engine(target_model, None, 3) as engine:
+        scheduler = Scheduler(engine.slots, chunk=64)
+        log: list[str] = []
+        prompt = engine.tokenize(LONG_PROMPT)
+        slot = scheduler.free_slot(prompt)
+        assert slot is not None and slot.index == 0  # all empty: the first
+        scheduler.start(slot, make_task(engine, 0, prompt, log))
+        while scheduler.busy:
+            scheduler.step()
+        assert log == ["0:length:False"]
+        # Slot 0 now holds the prompt: a request that shares it goes there, others first-free.
+        assert scheduler.free_slot([*prompt[:-2], 99]).index == 0  # type: ignore[union-attr]
+        assert scheduler.free_slot([99, 98]).index == 1  # type: ignore[union-attr]
+        described = scheduler.describe()
+        assert [d["state"] for d in described] == ["idle"] * 3
+        assert described[0]["n_cached"] >= len(prompt)
+
+
+def test_a_failed_decode_ends_every_slot_of_it_and_the_loop_goes_on(
+    target_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with parallel_engine(target_model, None, 2) as engine:
+        scheduler = Scheduler(engine.slots, chunk=64)
+        log: list[str] = []
+        prompt = engine.tokenize(PROMPT)
+        for i in range(2):
+            scheduler.start(scheduler.slots[i], make_task(engine, i, prompt, log))
+
+        def broken(*args: object, **kwargs: object) -> int:
+            raise RuntimeError("llama_decode failed")
+
+        monkeypatch.setattr(scheduler_module, "step", broken)
+        scheduler.step()
+        assert sorted(log) == ["0::True", "1::True"] and not scheduler.busy
+        monkeypatch.undo()
+        scheduler.start(scheduler.slots[1], make_task(engine, 1, prompt, log))
+        while scheduler.busy:
+            scheduler.step()
+        assert log[-1] == "1:length:False"
