@@ -22,7 +22,7 @@ from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import PieceStream
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
-from specdec_cli.decoding.scheduler import Scheduler, Task
+from specdec_cli.decoding.scheduler import BatchSpeculation, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 
@@ -227,3 +227,43 @@ def test_a_failed_decode_ends_every_slot_of_it_and_the_loop_goes_on(
         while scheduler.busy:
             scheduler.step()
         assert log[-1] == "1:length:False"
+
+
+def test_batch_speculation_follows_what_is_measured() -> None:
+    """Drafting measured slower at 4 busy slots: it stops there but for a try every
+    EXPLORE_EVERY steps; at 2 slots, measured faster, it goes on; alone, always."""
+    guard = BatchSpeculation()
+    modes: dict[int, list[bool]] = {2: [], 4: []}
+    for _ in range(200):
+        for n, faster in ((2, True), (4, False)):
+            drafting = guard.choose(n)
+            modes[n].append(drafting)
+            tokens = 12 if drafting == faster else 8
+            guard.record(n, drafting, tokens, 0.01)
+    late4, late2 = modes[4][20:], modes[2][20:]
+    assert 0 < sum(late4) <= len(late4) / BatchSpeculation.EXPLORE_EVERY + 1
+    assert sum(late2) >= len(late2) * (1 - 1 / BatchSpeculation.EXPLORE_EVERY) - 1
+    assert guard.choose(1)
+
+
+def test_a_step_without_speculation_drops_only_the_drafts_it_may(
+    target_model: Path, draft_model: Path, moderate_costs: None
+) -> None:
+    """speculate=False: greedy -k auto slots draft nothing, a -k 3 slot still does, and
+    every text is still the target's alone."""
+    with parallel_engine(target_model, draft_model, 2, k="auto", tree="off") as engine:
+        prompt = engine.tokenize(PROMPT)
+        auto = engine.decoders[0].start(prompt, 24, np.random.default_rng(0), Stats())
+        fixed_decoder = engine.make_decoder("model", "3", "off", slot=1)
+        # Longer: the auto slot must never run alone (a slot alone drafts as it likes).
+        fixed = fixed_decoder.start(prompt, 120, np.random.default_rng(0), Stats())
+        outs: list[list[int]] = [[], []]
+        while not (auto.finished and fixed.finished):
+            running = [g for g in (auto, fixed) if not g.finished]
+            step(running, speculate=False)
+            for i, g in enumerate((auto, fixed)):
+                if g in running and g.round:
+                    outs[i] += g.round.tokens
+        assert auto.stats.drafted == 0 and fixed.stats.drafted > 0
+    reference = alone(target_model, Job(engine.decoders[0], prompt, 120))
+    assert outs == [reference[:24], reference]

@@ -150,7 +150,9 @@ class Plan:
     fits: bool = False
 
 
-def step(generations: Sequence[Generation], budget: int | None = None) -> int:
+def step(
+    generations: Sequence[Generation], budget: int | None = None, speculate: bool = True
+) -> int:
     """One round of every generation, in one target decode call: each drafts, stages its
     verification batch (or a chunk of the prompt it is still reading) into the batch the
     target contexts share, and after the one call verifies its rows. Every generation's
@@ -158,7 +160,8 @@ def step(generations: Sequence[Generation], budget: int | None = None) -> int:
 
     With several generations, their draft lengths are fitted to the batch as a whole
     (see fit_to_batch): what a round costs is the cost of the whole batch. `budget`: the
-    most prompt tokens read in this call (None: as many as a batch holds). Returns the
+    most prompt tokens read in this call (None: as many as a batch holds). `speculate`
+    False: the drafts that may be shortened are dropped (see Scheduler). Returns the
     call's number of tokens."""
     if not generations:
         return 0
@@ -167,9 +170,12 @@ def step(generations: Sequence[Generation], budget: int | None = None) -> int:
     players = [g for g in generations if not g.reading]
     plans = [g.plan() for g in players]
     alone = len(generations) == 1
-    if not alone:
+    if not alone and speculate:
         read = sum(min(g.unread, target.n_batch) for g in readers)
         fit_to_batch(plans, read)
+    elif not alone:
+        for plan in plans:
+            plan.k = 0 if plan.fits else plan.k
     for g in generations:
         g.round = None
     for g, plan in zip(players, plans, strict=True):

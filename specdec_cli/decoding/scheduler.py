@@ -51,6 +51,47 @@ class Counters:
     decoded_tokens: int = 0  # summed: the tokens each one held
 
 
+class BatchSpeculation:
+    """Whether drafting pays at all for a batch of n busy slots, as measured.
+
+    fit_to_batch prices drafts with the measured cost of verification, but a drafting
+    slot costs more than that: its drafter's Python, its draft calls' fixed costs, the
+    server's threads beside the decode. Where verification is steep (a CPU) that can
+    decide, and speculation must never make a loaded server slower. So for each number
+    of busy slots, the tokens per second of steps with fitted drafts and of steps
+    without any (where drafts may be shortened: greedy -k auto) are kept as running
+    averages; the better mode runs, the other is tried every EXPLORE_EVERY steps, so
+    that a change (in the text, in the load) is seen. One slot alone always drafts:
+    its length policy already follows the clock."""
+
+    EXPLORE_EVERY = 16
+    FIRST_TRIES = 3  # steps in each mode before either is preferred
+    DECAY = 0.9  # per step of the mode
+
+    def __init__(self) -> None:
+        # busy slots -> (mode -> running tokens/s, steps seen); mode True: drafting
+        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}
+        self._steps: dict[int, int] = {}
+
+    def choose(self, n: int) -> bool:
+        if n <= 1:
+            return True
+        seen = self._rates.setdefault(n, {True: (0.0, 0), False: (0.0, 0)})
+        tries = {mode: count for mode, (_, count) in seen.items()}
+        if min(tries.values()) < self.FIRST_TRIES:
+            return tries[True] <= tries[False]
+        self._steps[n] = self._steps.get(n, 0) + 1
+        better = seen[True][0] >= seen[False][0]
+        return (not better) if self._steps[n] % self.EXPLORE_EVERY == 0 else better
+
+    def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
+        if n <= 1 or seconds <= 0:
+            return
+        rate, count = self._rates[n][drafting]
+        step = max(1.0 - self.DECAY, 1.0 / (count + 1))  # a plain mean at first
+        self._rates[n][drafting] = (rate + step * (tokens / seconds - rate), count + 1)
+
+
 @dataclass
 class Scheduler:
     """The slots of one target context, and the loop that advances them together.
@@ -61,6 +102,7 @@ class Scheduler:
     chunk: int
     slots: list[Slot] = field(init=False)
     counters: Counters = field(default_factory=Counters)
+    speculation: BatchSpeculation = field(default_factory=lambda: BatchSpeculation())
 
     def __post_init__(self) -> None:
         self.slots = [Slot(i, target) for i, target in enumerate(self.targets)]
@@ -98,13 +140,18 @@ class Scheduler:
         if not busy:
             return
         generations = [slot.task.generation for slot in busy if slot.task]
-        generating = any(not g.reading for g in generations)
+        players = sum(not g.reading for g in generations)
+        speculate = self.speculation.choose(players)
+        start = time.perf_counter()
         try:
-            n_tokens = step(generations, self.chunk if generating else None)
+            n_tokens = step(generations, self.chunk if players else None, speculate)
         except Exception as error:  # every slot of the call fails; the server goes on
             for slot in busy:
                 self._end(slot, error)
             return
+        if players == len(generations):  # a step that read prompts is no round's measure
+            made = sum(len(g.round.tokens) for g in generations if g.round)
+            self.speculation.record(players, speculate, made, time.perf_counter() - start)
         self.counters.decodes += 1
         self.counters.busy_slot_decodes += len(busy)
         self.counters.decoded_tokens += n_tokens
