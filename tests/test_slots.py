@@ -230,19 +230,22 @@ def test_a_failed_decode_ends_every_slot_of_it_and_the_loop_goes_on(
 
 
 def test_batch_speculation_follows_what_is_measured() -> None:
-    """Drafting measured slower at 4 busy slots: it stops there but for a try every
-    EXPLORE_EVERY steps; at 2 slots, measured faster, it goes on; alone, always."""
+    """Drafting measured slower at 4 busy slots: it stops there but for a block every
+    EXPLORE_EVERY blocks; at 2 slots, measured faster, it goes on; alone, always. A
+    block's first step (a change of mode, a rebuilt graph) does not count."""
     guard = BatchSpeculation()
     modes: dict[int, list[bool]] = {2: [], 4: []}
-    for _ in range(200):
+    for _ in range(640):
         for n, faster in ((2, True), (4, False)):
             drafting = guard.choose(n)
             modes[n].append(drafting)
             tokens = 12 if drafting == faster else 8
             guard.record(n, drafting, tokens, 0.01)
-    late4, late2 = modes[4][20:], modes[2][20:]
-    assert 0 < sum(late4) <= len(late4) / BatchSpeculation.EXPLORE_EVERY + 1
-    assert sum(late2) >= len(late2) * (1 - 1 / BatchSpeculation.EXPLORE_EVERY) - 1
+    block, every = BatchSpeculation.BLOCK, BatchSpeculation.EXPLORE_EVERY
+    late4, late2 = modes[4][4 * block :], modes[2][4 * block :]
+    assert 0 < sum(late4) <= len(late4) / every + block
+    assert sum(late2) >= len(late2) * (1 - 1 / every) - block
+    assert all(len(set(late4[i : i + block])) == 1 for i in range(0, len(late4), block))
     assert guard.choose(1)
 
 

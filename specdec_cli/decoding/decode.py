@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -69,6 +70,11 @@ class Decoder:
         self.label = label  # how the user named the draft length: "4", "auto"
         self.tree = tree  # None: chains
         self.tree_label = tree_label  # how the user named it: "off", "auto", "16"
+        # -k auto: every length policy may be shortened to fit a batch (see fit_to_batch)
+        policies = (self.length, *self.lengths.values())
+        self.lengths_adapt = drafter is not None and all(
+            isinstance(p, AutoLength) for p in policies
+        )
 
     def start(
         self,
@@ -148,6 +154,7 @@ class Plan:
     # Whether fit_to_batch may shorten the draft: -k auto, greedy (a sampled text depends
     # on k, and must not depend on what else is running).
     fits: bool = False
+    chosen: bool = True  # False: no policy was asked (a step without speculation)
 
 
 def step(
@@ -168,14 +175,11 @@ def step(
     target = generations[0].decoder.target
     readers = [g for g in generations if g.reading]
     players = [g for g in generations if not g.reading]
-    plans = [g.plan() for g in players]
     alone = len(generations) == 1
+    plans = [g.plan(speculate or alone) for g in players]
     if not alone and speculate:
         read = sum(min(g.unread, target.n_batch) for g in readers)
-        fit_to_batch(plans, read)
-    elif not alone:
-        for plan in plans:
-            plan.k = 0 if plan.fits else plan.k
+        fit_to_batch(plans, read, target.last_call_size)
     for g in generations:
         g.round = None
     for g, plan in zip(players, plans, strict=True):
@@ -190,29 +194,32 @@ def step(
     return n_tokens
 
 
-def fit_to_batch(plans: Sequence[Plan], extra: int = 0) -> None:
+def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> None:
     """Shorten the drafts that may be shortened (see Plan.fits) while that raises
     the expected tokens per second of the whole batch: when several slots share one
     target pass, its cost is the cost of all their tokens (plus `extra` prompt tokens),
-    and where verification turns compute-bound the drafts shrink, to none.
+    and where verification turns compute-bound the drafts shrink, to none. A batch of
+    another size than the last call's (`last_size`) also pays a graph rebuild.
 
     Greedy: take one token off the draft whose removal helps most, until none helps."""
     fits = [p for p in plans if p.k > 0 and p.fits]
     if not fits:
         return
-    costs = fits[0].length.costs
+    policies = [cast(AutoLength, p.length) for p in fits]  # as Plan.fits promises
+    costs = policies[0].costs
     fitted = {id(p) for p in fits}
     others = [p for p in plans if id(p) not in fitted]
     # What the other slots add: their tokens to the batch, and (at least) one new token each.
     fixed = extra + sum(len(p.unseen) for p in plans) + sum(p.k for p in others)
-    gains = [p.length.expected_tokens(p.k) for p in fits]
-    drafts = [p.length.costs.draft_seconds for p in fits]
+    gains = [policy.expected_tokens(p.k) for policy, p in zip(policies, fits, strict=True)]
+    drafts = [policy.costs.draft_seconds for policy in policies]
 
     def rate(ks: list[int]) -> float:
         tokens = len(others) + sum(gain[k] for gain, k in zip(gains, ks, strict=True))
         drafting = sum(k * seconds for seconds, k in zip(drafts, ks, strict=True))
         batch = fixed + sum(ks)
-        return tokens / (drafting + verify_cost(costs.verify, batch) * costs.target_seconds)
+        passes = verify_cost(costs.verify, batch) + (costs.switch if batch != last_size else 0)
+        return tokens / (drafting + passes * costs.target_seconds)
 
     ks = [p.k for p in fits]
     best = rate(ks)
@@ -304,8 +311,10 @@ class Generation:
         stats.prompt_seconds = self._t_gen - self._t_start
         self._started = True
 
-    def plan(self) -> Plan:
-        """Who drafts this round and how much, as the slot's policies alone would have it."""
+    def plan(self, speculate: bool = True) -> Plan:
+        """Who drafts this round and how much, as the slot's policies alone would have it.
+        `speculate` False: no draft where one may be left out (see Plan.fits), and then
+        no policy is asked, so that the round costs what a target-only one does."""
         if not self._started:
             self._begin()
         target = self.decoder.target
@@ -317,9 +326,11 @@ class Generation:
         # and verify in one decode call (the logits of one call are all kept).
         room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
         limit = min(room - 1, target.n_batch - len(unseen))
+        may_fit = self.sampling.greedy and self.decoder.lengths_adapt
+        if not speculate and may_fit:
+            return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
-        fits = self.sampling.greedy and isinstance(length, AutoLength)
-        return Plan(length, source, k, limit, unseen, fits)
+        return Plan(length, source, k, limit, unseen, may_fit)
 
     def stage_round(self, plan: Plan) -> None:
         """Draft, and stage the verification batch: the unseen tokens, then the draft."""
@@ -365,11 +376,12 @@ class Generation:
         else:  # k decides which random numbers go where: a seed must reproduce (and a
             # shared decode call's time is no one round's)
             draft_seconds = verify_seconds = other_seconds = None
-        plan.length.observe(
-            draft, n_accepted, draft_seconds, verify_seconds, other_seconds, beside=beside
-        )
-        if decoder.tree:
-            decoder.tree.observe(draft, path)
+        if plan.chosen:
+            plan.length.observe(
+                draft, n_accepted, draft_seconds, verify_seconds, other_seconds, beside=beside
+            )
+            if decoder.tree:
+                decoder.tree.observe(draft, path)
 
         new = [*(draft.tokens[i] for i in path), next_token]
         eog = next((i for i, t in enumerate(new) if target.model.is_eog(t)), None)

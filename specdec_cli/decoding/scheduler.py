@@ -55,37 +55,50 @@ class BatchSpeculation:
     """Whether drafting pays at all for a batch of n busy slots, as measured.
 
     fit_to_batch prices drafts with the measured cost of verification, but a drafting
-    slot costs more than that: its drafter's Python, its draft calls' fixed costs, the
-    server's threads beside the decode. Where verification is steep (a CPU) that can
-    decide, and speculation must never make a loaded server slower. So for each number
-    of busy slots, the tokens per second of steps with fitted drafts and of steps
-    without any (where drafts may be shortened: greedy -k auto) are kept as running
-    averages; the better mode runs, the other is tried every EXPLORE_EVERY steps, so
-    that a change (in the text, in the load) is seen. One slot alone always drafts:
-    its length policy already follows the clock."""
+    slot costs more than that: its drafter's Python, its draft calls' fixed costs, a
+    compute graph rebuilt whenever the batch changes size (a batch without drafts keeps
+    its size), the server's threads beside the decode. Where verification is steep (a
+    CPU) that can decide, and speculation must never make a loaded server slower. So
+    for each number of busy slots, the tokens per second of both modes, drafts (fitted)
+    and none (where drafts may be left out: greedy -k auto), are running averages
+    over blocks of BLOCK steps; the better mode runs, the other gets a block every
+    EXPLORE_EVERY blocks, so that a change (in the text, in the load) is seen. A
+    block's first step pays for the change of mode, and is not counted. One slot alone
+    always drafts: its length policy already follows the clock."""
 
-    EXPLORE_EVERY = 16
-    FIRST_TRIES = 3  # steps in each mode before either is preferred
-    DECAY = 0.9  # per step of the mode
+    BLOCK = 8
+    EXPLORE_EVERY = 8  # blocks
+    DECAY = 0.9  # per step measured
 
     def __init__(self) -> None:
-        # busy slots -> (mode -> running tokens/s, steps seen); mode True: drafting
-        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}
-        self._steps: dict[int, int] = {}
+        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}  # n -> mode -> (rate, steps)
+        self._mode: dict[int, bool] = {}  # n -> the current block's mode (True: drafting)
+        self._left: dict[int, int] = {}  # n -> steps left in the current block
+        self._blocks: dict[int, int] = {}  # n -> blocks run
 
     def choose(self, n: int) -> bool:
         if n <= 1:
             return True
-        seen = self._rates.setdefault(n, {True: (0.0, 0), False: (0.0, 0)})
-        tries = {mode: count for mode, (_, count) in seen.items()}
-        if min(tries.values()) < self.FIRST_TRIES:
-            return tries[True] <= tries[False]
-        self._steps[n] = self._steps.get(n, 0) + 1
-        better = seen[True][0] >= seen[False][0]
-        return (not better) if self._steps[n] % self.EXPLORE_EVERY == 0 else better
+        if self._left.get(n, 0) <= 0:
+            self._mode[n] = self._next_mode(n)
+            self._left[n] = self.BLOCK
+            self._blocks[n] = self._blocks.get(n, 0) + 1
+        self._left[n] -= 1
+        return self._mode[n]
+
+    def _next_mode(self, n: int) -> bool:
+        rates = self._rates.setdefault(n, {True: (0.0, 0), False: (0.0, 0)})
+        untried = [mode for mode in (True, False) if rates[mode][1] == 0]
+        if untried:
+            return untried[0]
+        better = rates[True][0] >= rates[False][0]
+        explore = self._blocks.get(n, 0) % self.EXPLORE_EVERY == 0
+        return (not better) if explore else better
 
     def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if n <= 1 or seconds <= 0:
+        if n <= 1 or seconds <= 0 or self._mode.get(n) != drafting:
+            return
+        if self._left[n] == self.BLOCK - 1:  # the block's first step: a change of mode
             return
         rate, count = self._rates[n][drafting]
         step = max(1.0 - self.DECAY, 1.0 / (count + 1))  # a plain mean at first

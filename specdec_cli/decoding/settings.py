@@ -64,7 +64,7 @@ class EngineOptions:
 
 def drafter_kind(model: bool, ngram: bool | None) -> str | None:
     """The drafter for a draft model and/or n-gram lookup (see EngineOptions.ngram and
-    Engine.make_decoder)."""
+    Policy.decoder)."""
     if model:
         return model_drafter_kind(ngram)
     return "ngram" if ngram else None

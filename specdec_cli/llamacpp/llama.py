@@ -421,6 +421,12 @@ class Context:
         return self._shared.n_staged
 
     @property
+    def last_call_size(self) -> int:
+        """Tokens in the last decode call, any slot's: the next keeps its compute graph
+        only at that size."""
+        return self._shared.last_size
+
+    @property
     def batch_room(self) -> int:
         """Tokens the next decode call can still take, from any slot."""
         return len(self._shared.offsets) - self._shared.n_staged
@@ -621,6 +627,7 @@ class _Shared:
         self.row_type = ctypes.c_float * n_vocab
         self.n_staged = 0
         self.staged: list[Context] = []
+        self.last_size = 0  # tokens in the last decode call
 
     def stage(self, ctx: Context, n: int) -> None:
         if ctx in self.staged:
@@ -632,7 +639,7 @@ class _Shared:
         staged, n = self.staged, self.n_staged
         if not n:
             return
-        self.staged, self.n_staged = [], 0
+        self.staged, self.n_staged, self.last_size = [], 0, n
         self.batch.struct.n_tokens = n
         t0 = time.perf_counter()
         status = llama_cpp.llama_decode(self.ptr, self.batch.struct)
