@@ -22,7 +22,7 @@ from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import PieceStream
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
-from specdec_cli.decoding.scheduler import BatchSpeculation, Scheduler, Task
+from specdec_cli.decoding.scheduler import BatchSpeculation, PromptCache, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 
@@ -270,3 +270,53 @@ def test_a_step_without_speculation_drops_only_the_drafts_it_may(
         assert auto.stats.drafted == 0 and fixed.stats.drafted > 0
     reference = alone(target_model, Job(engine.decoders[0], prompt, 120))
     assert outs == [reference[:24], reference]
+
+
+def run_in(scheduler: Scheduler, engine: Engine, prompt: list[int]) -> tuple[list[int], Stats]:
+    """One greedy generation through `scheduler.claim`: its tokens and figures."""
+    slot = scheduler.claim(prompt)
+    assert slot is not None
+    stats, out = Stats(), []
+    generation = engine.decoders[slot.index].start(prompt, 12, np.random.default_rng(0), stats)
+    task = Task(generation, PieceStream(engine.model), lambda piece: None, lambda s, e: None, bool)
+    scheduler.start(slot, task)
+    while scheduler.busy:
+        scheduler.step()
+        if generation.round:
+            out += generation.round.tokens
+    return out, stats
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_the_prompt_cache_brings_a_displaced_prompt_back(target_model: Path, cached: bool) -> None:
+    """One slot: A, then B (A's cells displaced), then A again. With the cache, A's cells
+    come back from host memory (all but its last token reused); without, A is read again.
+    Either way the text is A's alone."""
+    with parallel_engine(target_model, None, 2) as engine:
+        engine.slots.pop()  # one slot of a context made for two: still a split context
+        cache = PromptCache(2**30) if cached else None
+        scheduler = Scheduler(engine.slots, chunk=64, cache=cache)
+        a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
+        first, _ = run_in(scheduler, engine, a)
+        run_in(scheduler, engine, b)
+        again, stats = run_in(scheduler, engine, a)
+    assert again == first == alone(target_model, Job(engine.decoders[0], a, 12))
+    if cached:
+        assert stats.prompt_reused == len(a) - 1 and cache is not None and len(cache) == 2
+    else:
+        assert stats.prompt_reused <= 1  # BOS at most
+
+
+def test_the_prompt_cache_keeps_to_its_budget(target_model: Path) -> None:
+    with parallel_engine(target_model, None, 2) as engine:
+        slot = engine.slots[0]
+        slot.prefill(engine.tokenize(LONG_PROMPT))
+        size = slot.save_state().nbytes
+        cache = PromptCache(int(size * 1.5))
+        cache.save(slot)
+        other = engine.tokenize("Zebras" + " and then" * 30)
+        slot.prefill(other)
+        cache.save(slot)  # over budget together: the older one goes
+        assert len(cache) == 1
+        assert cache.best(other)[0] == len(other)
+        assert cache.best(engine.tokenize(LONG_PROMPT))[0] <= 1  # BOS at most

@@ -546,6 +546,20 @@ def serve(
             ),
         ),
     ] = None,
+    cache_ram: Annotated[
+        int | None,
+        typer.Option(
+            "-cram",
+            "--cache-ram",
+            min=0,
+            metavar="MIB",
+            help=described(
+                "Host memory for slots' caches that new prompts displaced, loaded back "
+                "for a prompt that starts the same way (0: none).",
+                ServeOptions.cache_ram,
+            ),
+        ),
+    ] = None,
     queue: Annotated[
         int | None,
         typer.Option(
@@ -597,6 +611,7 @@ def serve(
         alias=alias,
         cors=cors,
         parallel=parallel,
+        cache_ram=cache_ram,
         queue=queue,
         chat_template=template_override(chat_template) if chat_template else None,
     )

@@ -11,13 +11,14 @@ the server gives it tasks and hears back through their callbacks.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec_cli.decoding.decode import Generation, step
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp.llama import Context
+from specdec_cli.llamacpp.llama import Context, SavedState
 
 
 @dataclass
@@ -105,6 +106,49 @@ class BatchSpeculation:
         self._rates[n][drafting] = (rate + step * (tokens / seconds - rate), count + 1)
 
 
+class PromptCache:
+    """Slots' caches kept in host memory, as llama-server's prompt cache: what a slot
+    held before another prompt took it is saved here, and a later prompt that starts
+    the same way is loaded back into a slot instead of read again (the earlier turns of
+    a chat, a system prompt, a prompt sent again). Least recently used first out, past
+    `max_bytes`."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._saved: OrderedDict[tuple[int, ...], SavedState] = OrderedDict()
+        self._bytes = 0
+
+    def best(self, prompt: list[int]) -> tuple[int, SavedState | None]:
+        """The saved state that holds the longest start of `prompt`, and its length."""
+        best: tuple[int, SavedState | None] = (0, None)
+        for tokens, saved in self._saved.items():
+            n = _common_prefix(list(tokens), prompt)
+            if n > best[0]:
+                best = (n, saved)
+        if best[1] is not None:
+            self._saved.move_to_end(best[1].tokens)
+        return best
+
+    def save(self, target: Context) -> None:
+        """Keep what `target` holds (unless it is held already, or is too large)."""
+        tokens = tuple(target.tokens)
+        if not tokens or tokens in self._saved:
+            return
+        # A saved prefix of it is no longer needed: this holds all that one did.
+        for held in [t for t in self._saved if tokens[: len(t)] == t]:
+            self._bytes -= self._saved.pop(held).nbytes
+        saved = target.save_state()
+        if saved.nbytes > self.max_bytes:
+            return
+        self._saved[tokens] = saved
+        self._bytes += saved.nbytes
+        while self._bytes > self.max_bytes:
+            self._bytes -= self._saved.popitem(last=False)[1].nbytes
+
+    def __len__(self) -> int:
+        return len(self._saved)
+
+
 @dataclass
 class Scheduler:
     """The slots of one target context, and the loop that advances them together.
@@ -113,6 +157,7 @@ class Scheduler:
 
     targets: list[Context]
     chunk: int
+    cache: PromptCache | None = None  # None: no prompt cache in host memory
     slots: list[Slot] = field(init=False)
     counters: Counters = field(default_factory=Counters)
     speculation: BatchSpeculation = field(default_factory=lambda: BatchSpeculation())
@@ -137,6 +182,21 @@ class Scheduler:
             return _common_prefix(cached, prompt), -len(cached), -slot.index
 
         return max(free, key=fit)
+
+    def claim(self, prompt: list[int]) -> Slot | None:
+        """A free slot for `prompt` (see free_slot), holding as much of its start as
+        this slot or the prompt cache has: what the slot held goes to the cache first,
+        if the prompt will not keep all of it."""
+        slot = self.free_slot(prompt)
+        if slot is None or self.cache is None or slot.target.recurrent:
+            return slot
+        own = _common_prefix(slot.target.tokens, prompt)
+        cached, saved = self.cache.best(prompt)
+        if own < len(slot.target.tokens) or (saved is not None and cached > own):
+            self.cache.save(slot.target)
+        if saved is not None and cached > own:
+            slot.target.load_state(saved)
+        return slot
 
     def start(self, slot: Slot, task: Task) -> None:
         slot.task, slot.started = task, time.time()

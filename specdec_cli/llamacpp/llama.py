@@ -582,6 +582,26 @@ class Context:
             n = 0  # a recurrent state that cannot go back there: start over
         return self.rewind(n)
 
+    def save_state(self) -> SavedState:
+        """A copy, in host memory, of what the sequence holds (its cells, or its
+        recurrent state), to be loaded again into this or another slot of the context."""
+        self.drop_branches()
+        size = llama_cpp.llama_state_seq_get_size(self.ptr, self.seq)
+        data = (ctypes.c_uint8 * size)()
+        written = llama_cpp.llama_state_seq_get_data(self.ptr, data, size, self.seq)
+        if written == 0 and self.tokens:
+            raise RuntimeError(f"llama.cpp could not save a sequence of {self.model.path.name}")
+        return SavedState(tuple(self.tokens), data)
+
+    def load_state(self, saved: SavedState) -> None:
+        """Make the sequence hold what `saved` holds, in place of its own."""
+        self.rewind(0)
+        if not llama_cpp.llama_state_seq_set_data(self.ptr, saved.data, len(saved.data), self.seq):
+            raise RuntimeError(f"llama.cpp could not load a sequence of {self.model.path.name}")
+        self.tokens = list(saved.tokens)
+        self._last_call_start = len(self.tokens)  # no snapshots of a call to go back into
+        self._checkpoint = _Checkpoint()
+
     def _can_rewind_to(self, n_keep: int) -> bool:
         if not self.recurrent or n_keep == 0 or self._within_snapshots(n_keep):
             return True
@@ -611,6 +631,18 @@ class Context:
         over every slot of the context."""
         data = llama_cpp.llama_perf_context(self.ptr)
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
+
+
+@dataclass(frozen=True)
+class SavedState:
+    """A sequence's state in host memory (see Context.save_state)."""
+
+    tokens: tuple[int, ...]
+    data: ctypes.Array
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
 
 
 class _Shared:

@@ -37,6 +37,9 @@ class ServeOptions:
     # on memory-bound machines (benchmarks/README.md, "Many requests at once").
     parallel: int = 4
     queue: int = 16  # requests that may wait for a slot
+    # MiB of host memory for slots' caches that new prompts displaced (llama-server's
+    # --cache-ram, and its default); 0: none.
+    cache_ram: int = 8192
     chat_template: str | None = None  # as --chat-template; None: the model's own
 
 

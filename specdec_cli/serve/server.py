@@ -48,7 +48,7 @@ from specdec_cli.commands.display import note, warn
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import Piece, PieceStream
-from specdec_cli.decoding.scheduler import Counters, Scheduler, Task
+from specdec_cli.decoding.scheduler import Counters, PromptCache, Scheduler, Task
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
@@ -169,7 +169,9 @@ class Service:
             )
         if engine.decoder.drafter is not None:
             engine.costs()
-        self.scheduler = Scheduler(engine.slots, self.engine_options.n_ubatch)
+        cache_mib = self.options.cache_ram
+        cache = PromptCache(cache_mib * 2**20) if cache_mib > 0 else None
+        self.scheduler = Scheduler(engine.slots, self.engine_options.n_ubatch, cache)
         return engine
 
     def loop(self) -> None:
@@ -193,7 +195,7 @@ class Service:
         cache holds most of its prompt."""
         while self.waiting:
             job = self.waiting[0]
-            slot = scheduler.free_slot(job.prompt)
+            slot = scheduler.claim(job.prompt)
             if slot is None:
                 return
             self.waiting.popleft()
