@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from specdec_cli.decoding.decode import Generation, step
@@ -122,7 +122,7 @@ class PromptCache:
         """The saved state that holds the longest start of `prompt`, and its length."""
         best: tuple[int, SavedState | None] = (0, None)
         for tokens, saved in self._saved.items():
-            n = _common_prefix(list(tokens), prompt)
+            n = _common_prefix(tokens, prompt)
             if n > best[0]:
                 best = (n, saved)
         if best[1] is not None:
@@ -292,7 +292,7 @@ def _describe(slot: Slot) -> dict[str, object]:
     }
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
