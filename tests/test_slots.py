@@ -25,6 +25,7 @@ from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.scheduler import BatchSpeculation, PromptCache, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp.llama import Context
 
 LONG_PROMPT = PROMPT + " and then" * 30  # read in several chunks below
 
@@ -320,3 +321,23 @@ def test_the_prompt_cache_keeps_to_its_budget(target_model: Path) -> None:
         assert len(cache) == 1
         assert cache.best(other)[0] == len(other)
         assert cache.best(engine.tokenize(LONG_PROMPT))[0] <= 1  # BOS at most
+
+
+def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(
+    target_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """llama.cpp may refuse a saved state (no free cells): the request must still run,
+    reading its prompt, and not take the decode loop down with it."""
+    with parallel_engine(target_model, None, 2) as engine:
+        engine.slots.pop()
+        scheduler = Scheduler(engine.slots, chunk=64, cache=PromptCache(2**30))
+        a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
+        first, _ = run_in(scheduler, engine, a)
+        run_in(scheduler, engine, b)
+
+        def refused(self: object, saved: object) -> None:
+            raise RuntimeError("llama.cpp could not load a sequence")
+
+        monkeypatch.setattr(Context, "load_state", refused)
+        again, stats = run_in(scheduler, engine, a)
+    assert again == first and stats.prompt_reused <= 1

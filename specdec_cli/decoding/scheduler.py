@@ -137,7 +137,10 @@ class PromptCache:
         # A saved prefix of it is no longer needed: this holds all that one did.
         for held in [t for t in self._saved if tokens[: len(t)] == t]:
             self._bytes -= self._saved.pop(held).nbytes
-        saved = target.save_state()
+        try:
+            saved = target.save_state()
+        except RuntimeError:  # a cache is a help, never a reason to fail a request
+            return
         if saved.nbytes > self.max_bytes:
             return
         self._saved[tokens] = saved
@@ -195,7 +198,10 @@ class Scheduler:
         if own < len(slot.target.tokens) or (saved is not None and cached > own):
             self.cache.save(slot.target)
         if saved is not None and cached > own:
-            slot.target.load_state(saved)
+            try:
+                slot.target.load_state(saved)
+            except RuntimeError:  # no room for it in the cells: the prompt is read instead
+                slot.target.rewind(0)
         return slot
 
     def start(self, slot: Slot, task: Task) -> None:
