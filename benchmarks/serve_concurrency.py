@@ -56,12 +56,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
+from specdec_cli.commands.bench import BUILTIN_PROMPTS as BENCH_PROMPTS
+
 # Short prompts of different kinds: drafting pays differently on stories, code and lists.
-BUILTIN_PROMPTS = [
-    "Once upon a time, in a small village by the sea, there lived a girl who",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
-    "Things to pack for a camping trip:\n1. A tent\n2. A sleeping bag\n3.",
-    "The sun is a star. It is very big and very hot. The moon",
+# specdec bench's story, code, list and factual prompts, and four more.
+PROMPTS = [
+    *(BENCH_PROMPTS[name] for name in ("story", "code", "list", "factual")),
     "Rewrite the list, changing red to blue.\n- a red ball\n- a red car\nRewritten:\n- a blue",
     'Tom said to his mom, "Can we go to the park today?" His mom',
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
@@ -288,13 +290,8 @@ def warm_up(port: int, setup: Setup, args: argparse.Namespace) -> None:
 
 
 def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default); NaN if empty."""
-    if not values:
-        return math.nan
-    ordered = sorted(values)
-    rank = (len(ordered) - 1) * q / 100
-    low, high = math.floor(rank), math.ceil(rank)
-    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+    """numpy's (linear between closest ranks); NaN if empty."""
+    return float(np.percentile(values, q)) if values else math.nan
 
 
 def level_figures(records: list[RequestRecord]) -> dict[str, float]:
@@ -426,7 +423,7 @@ def check_setups(setups: list[Setup], parser: argparse.ArgumentParser) -> None:
 def read_prompts(path: Path | None) -> list[str]:
     """One prompt a line; a literal \\n stands for a newline (code, lists)."""
     if path is None:
-        return BUILTIN_PROMPTS
+        return PROMPTS
     lines = path.read_text().splitlines()
     prompts = [line.replace("\\n", "\n") for line in lines if line.strip()]
     if not prompts:

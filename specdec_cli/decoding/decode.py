@@ -187,8 +187,7 @@ def step(
     room = target.batch_room if budget is None else min(target.batch_room, budget)
     for g in readers:
         room -= g.stage_prompt(room)
-    n_tokens = target.n_staged
-    target.flush()
+    n_tokens = target.flush()
     for g in players:
         g.conclude(timed=alone)
     return n_tokens
@@ -223,14 +222,13 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
 
     ks = [p.k for p in fits]
     best = rate(ks)
-    while True:
+    while any(ks):
         tries = [[*ks[:i], k - 1, *ks[i + 1 :]] for i, k in enumerate(ks) if k > 0]
-        if not tries:
+        scores = [rate(t) for t in tries]
+        score = max(scores)
+        if score <= best:
             break
-        candidate = max(tries, key=rate)
-        if rate(candidate) <= best:
-            break
-        ks, best = candidate, rate(candidate)
+        ks, best = tries[scores.index(score)], score
     for p, k in zip(fits, ks, strict=True):
         p.k = k
 
@@ -271,6 +269,8 @@ class Generation:
         stats.prompt_reused = target.reuse(prompt[:-1])
         self._started = False
         self._plan: Plan | None = None
+        # Whether fit_to_batch may shorten its drafts (see Plan.fits).
+        self._fits = sampling.greedy and decoder.lengths_adapt
 
     # Reading the prompt.
 
@@ -326,11 +326,10 @@ class Generation:
         # and verify in one decode call (the logits of one call are all kept).
         room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
         limit = min(room - 1, target.n_batch - len(unseen))
-        may_fit = self.sampling.greedy and self.decoder.lengths_adapt
-        if not speculate and may_fit:
+        if not speculate and self._fits:
             return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
-        return Plan(length, source, k, limit, unseen, may_fit)
+        return Plan(length, source, k, limit, unseen, self._fits)
 
     def stage_round(self, plan: Plan) -> None:
         """Draft, and stage the verification batch: the unseen tokens, then the draft."""

@@ -14,6 +14,7 @@ probability at that point.
 from __future__ import annotations
 
 from bisect import bisect
+from collections.abc import Iterator
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
@@ -222,6 +223,19 @@ class RoundCosts:
             self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
 
 
+def expected_rounds(acceptance: list[float]) -> Iterator[tuple[int, tuple[float, float]]]:
+    """For k from 0 to len(acceptance): k, and for a round drafting k tokens its expected
+    tokens (1 + a1 + a1*a2 + ...: the target's own, and each draft token that survives)
+    and the chance that all k are accepted, when draft token i is accepted with
+    acceptance[i] once the ones before it were."""
+    survive = expected = 1.0
+    yield 0, (expected, survive)
+    for k, a in enumerate(acceptance, start=1):
+        survive *= a
+        expected += survive
+        yield k, (expected, survive)
+
+
 class AutoLength:
     """Draft as many tokens as maximise the expected tokens per second.
 
@@ -327,24 +341,13 @@ class AutoLength:
 
     def expected_rates(self, estimates: list[float], top: int) -> list[float]:
         """Expected tokens per second of k-token drafts, for every k from 0 to `top`."""
-        survive = expected = 1.0
-        rates = [expected / self.costs.of(0)]
-        for k, a in enumerate(estimates[:top], start=1):
-            survive *= a
-            expected += survive
-            rates.append(expected / self.costs.of(k, survive))
-        return rates
+        rounds = expected_rounds(estimates[:top])
+        return [expected / self.costs.of(k, survive) for k, (expected, survive) in rounds]
 
     def expected_tokens(self, top: int) -> list[float]:
         """Expected tokens of a round drafting k tokens, for every k from 0 to `top`, on
         the estimates as they stand (for fitting several slots' drafts to one batch)."""
-        survive = expected = 1.0
-        tokens = [expected]
-        for a in self.positions.estimates(top):
-            survive *= a
-            expected += survive
-            tokens.append(expected)
-        return tokens
+        return [expected for _, (expected, _) in expected_rounds(self.positions.estimates(top))]
 
     def choose(self, limit: int) -> int:
         top = min(self.k_max, limit)

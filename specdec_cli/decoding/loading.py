@@ -123,11 +123,10 @@ class LoadedModels:
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         # The slots: one generation each, all verified in one decode call (see decode.step).
-        self.slots = self.target.split(parallel) if parallel > 1 else [self.target]
-        self.draft_slots: list[Context | None] = [None] * parallel
-        if self.draft_ctx:
-            draft = self.draft_ctx
-            self.draft_slots = list(draft.split(parallel)) if parallel > 1 else [draft]
+        self.slots = self.target.split(parallel)
+        self.draft_slots: list[Context | None] = (
+            list(self.draft_ctx.split(parallel)) if self.draft_ctx else [None] * parallel
+        )
         # A draft of another vocabulary: its prompts, and the texts both vocabularies share.
         self.translation: Translation | None = None
         if draft_model and pairing.translated:

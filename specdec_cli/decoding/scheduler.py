@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specdec_cli.decoding.decode import Generation, step
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp.llama import Context, SavedState
+from specdec_cli.llamacpp.llama import Context, SavedState, common_prefix
 
 
 @dataclass
@@ -72,38 +72,48 @@ class BatchSpeculation:
     DECAY = 0.9  # per step measured
 
     def __init__(self) -> None:
-        self._rates: dict[int, dict[bool, tuple[float, int]]] = {}  # n -> mode -> (rate, steps)
-        self._mode: dict[int, bool] = {}  # n -> the current block's mode (True: drafting)
-        self._left: dict[int, int] = {}  # n -> steps left in the current block
-        self._blocks: dict[int, int] = {}  # n -> blocks run
+        self._by_size: dict[int, _Modes] = {}  # busy slots -> what was measured there
 
     def choose(self, n: int) -> bool:
         if n <= 1:
             return True
-        if self._left.get(n, 0) <= 0:
-            self._mode[n] = self._next_mode(n)
-            self._left[n] = self.BLOCK
-            self._blocks[n] = self._blocks.get(n, 0) + 1
-        self._left[n] -= 1
-        return self._mode[n]
+        modes = self._by_size.setdefault(n, _Modes())
+        if modes.left <= 0:
+            modes.drafting = self._next_mode(modes)
+            modes.left = self.BLOCK
+            modes.blocks += 1
+        modes.left -= 1
+        return modes.drafting
 
-    def _next_mode(self, n: int) -> bool:
-        rates = self._rates.setdefault(n, {True: (0.0, 0), False: (0.0, 0)})
-        untried = [mode for mode in (True, False) if rates[mode][1] == 0]
+    def _next_mode(self, modes: _Modes) -> bool:
+        untried = [mode for mode in (True, False) if modes.steps[mode] == 0]
         if untried:
             return untried[0]
-        better = rates[True][0] >= rates[False][0]
-        explore = self._blocks.get(n, 0) % self.EXPLORE_EVERY == 0
+        better = modes.rate[True] >= modes.rate[False]
+        explore = modes.blocks % self.EXPLORE_EVERY == 0
         return (not better) if explore else better
 
     def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
-        if n <= 1 or seconds <= 0 or self._mode.get(n) != drafting:
+        modes = self._by_size.get(n)
+        if n <= 1 or seconds <= 0 or modes is None or modes.drafting != drafting:
             return
-        if self._left[n] == self.BLOCK - 1:  # the block's first step: a change of mode
+        if modes.left == self.BLOCK - 1:  # the block's first step: a change of mode
             return
-        rate, count = self._rates[n][drafting]
+        count = modes.steps[drafting]
         step = max(1.0 - self.DECAY, 1.0 / (count + 1))  # a plain mean at first
-        self._rates[n][drafting] = (rate + step * (tokens / seconds - rate), count + 1)
+        modes.rate[drafting] += step * (tokens / seconds - modes.rate[drafting])
+        modes.steps[drafting] = count + 1
+
+
+@dataclass
+class _Modes:
+    """BatchSpeculation's figures for one number of busy slots. Mode True: drafting."""
+
+    rate: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
+    drafting: bool = True  # the current block's mode
+    left: int = 0  # steps left in the current block
+    blocks: int = 0  # blocks run
 
 
 class PromptCache:
@@ -122,7 +132,7 @@ class PromptCache:
         """The saved state that holds the longest start of `prompt`, and its length."""
         best: tuple[int, SavedState | None] = (0, None)
         for tokens, saved in self._saved.items():
-            n = _common_prefix(tokens, prompt)
+            n = common_prefix(tokens, prompt)
             if n > best[0]:
                 best = (n, saved)
         if best[1] is not None:
@@ -182,7 +192,7 @@ class Scheduler:
 
         def fit(slot: Slot) -> tuple[int, int, int]:
             cached = slot.target.tokens
-            return _common_prefix(cached, prompt), -len(cached), -slot.index
+            return common_prefix(cached, prompt), -len(cached), -slot.index
 
         return max(free, key=fit)
 
@@ -193,7 +203,7 @@ class Scheduler:
         slot = self.free_slot(prompt)
         if slot is None or self.cache is None or slot.target.recurrent:
             return slot
-        own = _common_prefix(slot.target.tokens, prompt)
+        own = common_prefix(slot.target.tokens, prompt)
         cached, saved = self.cache.best(prompt)
         if own < len(slot.target.tokens) or (saved is not None and cached > own):
             self.cache.save(slot.target)
@@ -213,8 +223,7 @@ class Scheduler:
         for slot in self.busy:
             assert slot.task is not None
             if slot.task.cancelled():
-                slot.task.generation.stats.stop_reason = "cancelled"
-                self._end(slot)
+                self._cancel(slot)
         busy = self.busy
         if not busy:
             return
@@ -260,12 +269,15 @@ class Scheduler:
         task.generation.close()
         task.done(task.generation.stats, error)
 
+    def _cancel(self, slot: Slot) -> None:
+        assert slot.task is not None
+        slot.task.generation.stats.stop_reason = "cancelled"
+        self._end(slot)
+
     def stop_all(self) -> None:
         """End every task now (the server is stopping)."""
         for slot in self.busy:
-            assert slot.task is not None
-            slot.task.generation.stats.stop_reason = "cancelled"
-            self._end(slot)
+            self._cancel(slot)
 
     def describe(self) -> list[dict[str, object]]:
         """Each slot as /slots shows it."""
@@ -296,12 +308,3 @@ def _describe(slot: Slot) -> dict[str, object]:
             "target_passes": stats.target_passes,
         },
     }
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n

@@ -319,7 +319,9 @@ class Context:
         """n contexts over this one's llama.cpp context, for n generations at once: each
         with an n-th of its sequences and of its cells (llama-server's -c split across
         --parallel slots). This context itself is then left alone (its first sequence
-        is the first slot's)."""
+        is the first slot's); for one slot, it is that slot."""
+        if n == 1:
+            return [self]
         width = self.n_seq_max // n
         if width < 1:
             raise RuntimeError(f"{self.model.path.name}: {n} slots need {n} sequences")
@@ -329,8 +331,7 @@ class Context:
             slot._owner = False
             slot.n_ctx = self.n_ctx // n
             slot.n_batch = self.n_batch // n  # its share of a decode call's tokens
-            if n > 1:  # llama.cpp's snapshots cover a whole decode call, not one slot's part
-                slot.n_rs_seq = 0
+            slot.n_rs_seq = 0  # llama.cpp's snapshots cover a whole decode call, not a slot's
             slot._start_sequences(i * width, width)
             slots.append(slot)
         return slots
@@ -388,21 +389,14 @@ class Context:
         sequence into the batch of the next `flush`, which may hold other slots' tokens
         too. At most one stage per context and flush."""
         self.drop_branches()
-        shared, n = self._shared, len(tokens)
+        n = len(tokens)
         if not n:
             return
-        n_logits = min(n_logits, n)
-        first = shared.n_staged
-        if n > self.batch_room:
-            raise RuntimeError(
-                f"{n} tokens do not fit in one decode call of {self.model.path.name} "
-                f"({self.batch_room} places left)"
-            )
         pos = len(self.tokens)
-        b, rows = shared.batch, slice(first, first + n)
-        b.token[rows] = tokens
+        rows = self._rows(tokens)
+        b, offsets = self._shared.batch, self._shared.offsets
         if parents is None:
-            np.add(shared.offsets[:n], pos, out=b.pos[rows])
+            np.add(offsets[:n], pos, out=b.pos[rows])
             b.n_seq_id[rows] = 1
             b.seq_id[rows, 0] = self.seq
             self.tokens.extend(tokens)
@@ -410,15 +404,28 @@ class Context:
             tree = self._stage_tree(tokens, parents, rows)
             np.add(tree.depths, pos - 1, out=b.pos[rows])
             self.tokens.extend(tree.path_tokens(tree.primary_leaf))
-        np.greater_equal(shared.offsets[:n], n - n_logits, out=b.logits[rows])
-        self._first_logit, self._last_row = first + n - n_logits, first + n - 1
-        self._last_call_start = pos
-        shared.stage(self, n)
+        n_logits = min(n_logits, n)
+        np.greater_equal(offsets[:n], n - n_logits, out=b.logits[rows])
+        self._staged(rows, n_logits, pos)
 
-    @property
-    def n_staged(self) -> int:
-        """Tokens staged for the next decode call, by any slot."""
-        return self._shared.n_staged
+    def _rows(self, tokens: Sequence[int]) -> slice:
+        """The next rows of the shared batch, given `tokens`."""
+        shared, n = self._shared, len(tokens)
+        if n > self.batch_room:
+            raise RuntimeError(
+                f"{n} tokens do not fit in one decode call of {self.model.path.name} "
+                f"({self.batch_room} places left)"
+            )
+        rows = slice(shared.n_staged, shared.n_staged + n)
+        shared.batch.token[rows] = tokens
+        return rows
+
+    def _staged(self, rows: slice, n_logits: int, pos: int) -> None:
+        """Rows filled from position `pos` on, the last `n_logits` with logits: they are
+        this context's part of the next flush."""
+        self._first_logit, self._last_row = rows.stop - n_logits, rows.stop - 1
+        self._last_call_start = pos
+        self._shared.stage(self, rows.stop - rows.start)
 
     @property
     def last_call_size(self) -> int:
@@ -450,9 +457,9 @@ class Context:
         self._staged_tree = tree
         return tree
 
-    def flush(self) -> None:
-        """llama_decode every token staged since the last flush, by any slot."""
-        self._shared.flush(self.model.path.name)
+    def flush(self) -> int:
+        """llama_decode every token staged since the last flush, by any slot: how many."""
+        return self._shared.flush(self.model.path.name)
 
     def _decoded(self, seconds: float) -> None:
         """The flush that held this context's staged tokens is done."""
@@ -475,18 +482,13 @@ class Context:
         Tokens of sequence 0 extend the accepted sequence's memory, in order; other
         sequences are branches (see fork), dropped by drop_branches. Sequences are
         counted from this context's own."""
-        shared, n = self._shared, len(tokens)
-        first = shared.n_staged
-        b, rows = shared.batch, slice(first, first + n)
-        b.token[rows] = tokens
+        rows, b = self._rows(tokens), self._shared.batch
         b.pos[rows] = positions
         b.logits[rows] = 1
         b.n_seq_id[rows] = 1
         np.add(seqs, self.seq, out=b.seq_id[rows, 0])
-        self._first_logit, self._last_row = first, first + n - 1
-        self._last_call_start = int(b.pos[first])
         self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == 0)
-        shared.stage(self, n)
+        self._staged(rows, len(tokens), int(positions[0]))
         self.flush()
 
     def fork(self, source: int, seq: int, n_tokens: int) -> None:
@@ -573,11 +575,7 @@ class Context:
     def reuse(self, tokens: Sequence[int]) -> int:
         """Keep the longest start of `tokens` the memory already holds, forget the rest:
         returns its length (the tokens from there on are still to be decoded)."""
-        n = 0
-        for cached, token in zip(self.tokens, tokens, strict=False):
-            if cached != token:
-                break
-            n += 1
+        n = common_prefix(self.tokens, tokens)
         if n < len(self.tokens) and not self._can_rewind_to(n):
             n = 0  # a recurrent state that cannot go back there: start over
         return self.rewind(n)
@@ -645,6 +643,16 @@ class SavedState:
         return len(self.data)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two sequences share from their start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class _Shared:
     """What the slots of one llama.cpp context share: the context, its memory, one
     batch, and the decode call being put together in it."""
@@ -667,10 +675,10 @@ class _Shared:
         self.staged.append(ctx)
         self.n_staged += n
 
-    def flush(self, name: str) -> None:
+    def flush(self, name: str) -> int:
         staged, n = self.staged, self.n_staged
         if not n:
-            return
+            return 0
         self.staged, self.n_staged, self.last_size = [], 0, n
         self.batch.struct.n_tokens = n
         t0 = time.perf_counter()
@@ -685,6 +693,7 @@ class _Shared:
             raise RuntimeError(f"{name}: llama_decode failed with status {status}")
         for ctx in staged:
             ctx._decoded(seconds)
+        return n
 
     def close(self) -> None:
         if self.ptr:

@@ -195,13 +195,13 @@ class Service:
         cache holds most of its prompt."""
         while self.waiting:
             job = self.waiting[0]
+            if job.cancelled.is_set():  # its client left while it waited
+                self._done(self.waiting.popleft(), Stats(stop_reason="cancelled"), None)
+                continue
             slot = scheduler.claim(job.prompt)
             if slot is None:
                 return
             self.waiting.popleft()
-            if job.cancelled.is_set():  # its client left while it waited
-                self._done(job, Stats(stop_reason="cancelled"), None)
-                continue
             try:
                 scheduler.start(slot, self._task(job, slot.index))
             except Exception as err:  # one bad generation must not end the server
