@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import json
 import os
+import signal
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -68,6 +69,7 @@ from specdec_cli.decoding.settings import (
     parse_tree,
 )
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp import rpc
 from specdec_cli.models.chat import chat_options, template_override
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.serve.api import ServeOptions
@@ -89,7 +91,11 @@ def _print_version(value: bool) -> None:
         from specdec_cli.llamacpp.backend import backend_names
 
         backends = ", ".join(backend_names())
-        print(f"specdec {__version__} (llama-cpp-python {binding}; llama.cpp backends: {backends})")
+        remote = "built in" if "RPC" in backend_names() else "not built in (see the README)"
+        print(
+            f"specdec {__version__} (llama-cpp-python {binding}; llama.cpp backends: "
+            f"{backends}; RPC: {remote})"
+        )
         raise typer.Exit()
 
 
@@ -617,6 +623,71 @@ def serve(
     )
     serve_options = ServeOptions(**given)
     run_server(replace(options, parallel=serve_options.parallel), serve_options)
+
+
+@app.command()
+def worker(
+    host: Annotated[
+        str,
+        typer.Option(
+            "-H", "--host", metavar="HOST", help="Address to listen on (beyond loopback: --expose)."
+        ),
+    ] = rpc.DEFAULT_HOST,
+    port: Annotated[
+        int, typer.Option("-p", "--port", min=1, max=65535, metavar="PORT", help="Port.")
+    ] = rpc.DEFAULT_PORT,
+    cache: Annotated[
+        bool,
+        typer.Option(
+            "-c",
+            "--cache",
+            help="Keep the tensors clients send on disk, so that a reload sends only their "
+            "hashes ($LLAMA_CACHE/rpc, else ~/.cache/llama.cpp/rpc).",
+        ),
+    ] = False,
+    threads: Annotated[
+        int | None,
+        typer.Option(
+            "-t", "--threads", min=1, metavar="N", help=described("CPU threads.", "physical cores")
+        ),
+    ] = None,
+    device: Annotated[
+        str | None,
+        typer.Option(
+            "-d",
+            "--device",
+            metavar="DEVICES",
+            help=described("Devices to serve, comma-separated.", "the GPUs, else the CPU"),
+        ),
+    ] = None,
+    expose: Annotated[
+        bool,
+        typer.Option(
+            "--expose",
+            help="Allow -H beyond loopback. ggml-rpc has no authentication: anyone who "
+            "reaches the port can run code on this machine's devices. Use a private network "
+            "or an SSH tunnel (see the README).",
+        ),
+    ] = False,
+) -> None:
+    """Serve this machine's devices to a target elsewhere: llama.cpp's RPC server
+    (rpc-server), started from this install. Point `specdec run/bench/serve --rpc
+    HOST:PORT` at it. Runs until stopped (Ctrl-C).
+
+    \b
+    Example (on each worker, over an SSH tunnel or a private network):
+      specdec worker -p 50052
+    """
+    from specdec_cli.llamacpp.machine import physical_cores
+
+    exposed = rpc.check_host(host, expose)
+    if exposed:
+        warn(exposed)
+    devices = rpc.worker_devices(device)
+    # ggml's server loop never returns to Python: Ctrl-C and SIGTERM end it at once.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    rpc.serve_worker(host, port, devices, threads or physical_cores(), cache)
 
 
 # --- model commands (info, check) ---

@@ -119,7 +119,7 @@ def describe_build() -> dict[str, object]:
     """What `specdec info` shows without a model: the llama.cpp build and this machine."""
     from llama_cpp import __version__ as binding
 
-    from specdec_cli.llamacpp import backend, costcache, machine, rowexp
+    from specdec_cli.llamacpp import backend, costcache, machine, rowexp, rpc
     from specdec_cli.models.config import default_config_path
 
     system_info = backend.system_info()
@@ -127,6 +127,7 @@ def describe_build() -> dict[str, object]:
         "llama_cpp_python": binding,
         "backends": list(backend.backend_names()),
         "gpu_offload": backend.supports_gpu_offload(),
+        "rpc": rpc.built_in(),
         "devices": [{"name": d.name, "description": d.description} for d in backend.gpu_devices()],
         "system_info": system_info,
         "physical_cores": machine.physical_cores(),
@@ -143,6 +144,7 @@ def _build_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
         ("llama-cpp-python", str(facts["llama_cpp_python"])),
         ("llama.cpp backends", ", ".join(facts["backends"])),
         ("GPU offload", "yes" if facts["gpu_offload"] else "no (a CPU-only build)"),
+        ("RPC (--rpc, specdec worker)", "yes" if facts["rpc"] else "no (see the README: RPC)"),
         ("devices (-dev)", devices or "none"),
         ("llama.cpp system info", str(facts["system_info"])),
         ("physical cores", str(facts["physical_cores"])),

@@ -33,6 +33,7 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import builtin_chat_templates
+from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.models.config import ModelSpec, PairSpec, load_config
 from specdec_cli.models.resolve import (
     NO_DRAFT,
@@ -162,6 +163,18 @@ DeviceDraftOpt = Annotated[
         "--device-draft",
         metavar="DEVICES",
         help=described("Device(s) for the draft model, as -dev.", "as -dev"),
+    ),
+]
+RpcOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--rpc",
+        metavar="SERVERS",
+        help=described(
+            "RPC workers for the target's layers, HOST:PORT[,HOST:PORT...] (`specdec worker` "
+            "on each); the draft stays on this machine unless -devd names one.",
+            "none",
+        ),
     ),
 ]
 RepackOpt = Annotated[
@@ -367,6 +380,7 @@ ENGINE_FLAGS = {
     "n_gpu_layers_draft": NgldOpt,
     "device": DeviceOpt,
     "device_draft": DeviceDraftOpt,
+    "rpc": RpcOpt,
     "repack": RepackOpt,
     "flash_attn": FlashOpt,
     "draft_max": DraftMaxOpt,
@@ -421,6 +435,7 @@ def engine_options(
     n_gpu_layers_draft: str | None,
     device: str | None,
     device_draft: str | None,
+    rpc: str | None,
     repack: bool | None,
     flash_attn: str | None,
     temp: float | None,
@@ -494,6 +509,7 @@ def engine_options(
         n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
         device=device,
         device_draft=device_draft,
+        rpc=parse_endpoints(rpc) if rpc is not None else (),
         repack=repack,
         verbose=verbose,
         sampling=sampling,

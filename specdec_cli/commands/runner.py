@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,6 +19,7 @@ from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import Piece
 from specdec_cli.decoding.settings import EngineOptions, GenerationOptions
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp import rpc
 from specdec_cli.models.chat import ChatOptions
 
 
@@ -51,9 +52,14 @@ def generate(
 
 @contextmanager
 def loaded_engine(options: EngineOptions, quiet: bool = False) -> Iterator[Engine]:
-    """The models loaded and their warnings said; a closed stdout then ends quietly."""
+    """The models loaded and their warnings said; a closed stdout then ends quietly, and
+    a lost RPC worker in one line."""
     # Say why the first -k auto run pauses (a person, or a log, would wonder).
-    with Engine(options, notify=None if quiet else note) as engine, ends_quietly_on_closed_pipe():
+    with (
+        rpc.guard(options.rpc, rpc.exit_with),
+        Engine(options, notify=None if quiet else note) as engine,
+        ends_quietly_on_closed_pipe(),
+    ):
         for message in engine.warnings:
             warn(message)
         yield engine
@@ -84,19 +90,37 @@ def _run_one(
     display = make_display(stats, output.as_json, output.quiet, output.color)
     pieces: list[Piece] = []
     rng = np.random.default_rng(generation.seed)
+
+    def finish() -> None:
+        display.finish()
+        if output.as_json:
+            print(json.dumps(_record(engine, pieces, generation.seed, stats, output.json_tokens)))
+
     try:
-        with interrupt.generating():
+        with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
             for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
                 pieces.append(piece)
                 if piece.text:
                     display.text(piece.text, drafted=piece.drafted)
     except KeyboardInterrupt:
         stats.stop_reason = "interrupted"
-    display.finish()
-    if output.as_json:
-        print(json.dumps(_record(engine, pieces, generation.seed, stats, output.json_tokens)))
+    finish()
     if stats.stop_reason == "interrupted":
         raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def _ends_on_lost_worker(
+    engine: Engine, stats: Stats, finish: Callable[[], None]
+) -> AbstractContextManager[None]:
+    """With --rpc: a worker lost mid-generation ends the process with one line naming it,
+    after what was generated so far is shown (`finish`)."""
+
+    def lost(line: str) -> None:
+        stats.stop_reason = "worker lost"
+        finish()
+        rpc.exit_with(line)
+
+    return rpc.guard(engine.options.rpc, lost)
 
 
 def _run_many(
@@ -109,17 +133,22 @@ def _run_many(
 ) -> None:
     """One JSON line per prompt, each with a seed of its own derived from --seed."""
     for line, text in texts.items():
-        stats = Stats()
-        tokens = engine.tokenize(text, chat)
         seed = line_seed(generation.seed, line)
+        tokens = engine.tokenize(text, chat)
+        stats, pieces = Stats(), []
+
+        def finish(line=line, text=text, seed=seed, stats=stats, pieces=pieces) -> None:
+            record = _record(engine, pieces, seed, stats, json_tokens)
+            print(json.dumps({"index": line, "prompt": text} | record), flush=True)
+
         rng = np.random.default_rng(seed)
         try:
-            with interrupt.generating():
-                pieces = list(engine.pieces(tokens, generation.n_predict, rng, stats, stop))
+            with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
+                for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
+                    pieces.append(piece)  # one by one: a lost worker shows what came
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
-        record = {"index": line, "prompt": text} | _record(engine, pieces, seed, stats, json_tokens)
-        print(json.dumps(record), flush=True)
+        finish()
 
 
 def _record(

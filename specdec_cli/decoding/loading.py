@@ -19,7 +19,7 @@ from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.decoding.translate import Translation
 from specdec_cli.decoding.treeshape import MAX_WIDTH
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp import backend, costcache
+from specdec_cli.llamacpp import backend, costcache, rpc
 from specdec_cli.llamacpp.llama import (
     LLAMA_MAX_SEQ,
     Context,
@@ -43,21 +43,28 @@ Loaded = TypeVar("Loaded", bound="LoadedModels")
 
 
 def model_params(
-    n_gpu_layers: int | None, device: str | None, flag: str, repack: bool
+    n_gpu_layers: int | None, device: str | None, flag: str, repack: bool, local: bool = False
 ) -> ModelParams:
-    """What llama.cpp is told to load a model with; None leaves llama.cpp's default."""
+    """What llama.cpp is told to load a model with; None leaves llama.cpp's default.
+    `local`: with no device named, this machine's GPUs only (no RPC worker's)."""
     devices = None
     if device is not None:
         devices = tuple(backend.pick_devices(device, backend.gpu_devices(), flag))
+    elif local:
+        devices = tuple(d.handle for d in backend.gpu_devices() if not rpc.is_remote(d))
     layers = ModelParams.n_gpu_layers if n_gpu_layers is None else n_gpu_layers
     return ModelParams(layers, devices, repack)
 
 
-def _draft_device(options: EngineOptions) -> tuple[str | None, str]:
-    """The draft's -devd, or else -dev as llama.cpp does; and the flag it came from."""
+def _draft_params(options: EngineOptions, repack: bool) -> ModelParams:
+    """The draft's -devd, or else -dev as llama.cpp does. With --rpc and no -devd, the
+    draft stays on this machine: drafting pays its latency token by token."""
+    layers = options.n_gpu_layers_draft
     if options.device_draft is not None:
-        return options.device_draft, "-devd"
-    return options.device, "-dev"
+        return model_params(layers, options.device_draft, "-devd", repack)
+    if options.rpc:
+        return model_params(layers, None, "-devd", repack, local=True)
+    return model_params(layers, options.device, "-dev", repack)
 
 
 def offload_warning(options: EngineOptions, can_offload: bool) -> str | None:
@@ -86,6 +93,8 @@ class LoadedModels:
         self.notify = notify
         draft_path = options.draft
         init_backend(options.verbose)
+        # The workers' devices, before any device is chosen: -dev may name them.
+        self.workers = rpc.add_workers(options.rpc) if options.rpc else []
         pairing = check_models(options.target, draft_path)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
@@ -94,7 +103,7 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
-        draft_params = model_params(options.n_gpu_layers_draft, *_draft_device(options), repack)
+        draft_params = _draft_params(options, repack)
         self._owned: list[Model | Context] = []
         self.model = self._own(Model(options.target, target_params))
         parallel = options.parallel
@@ -270,6 +279,8 @@ class LoadedModels:
             "gpu_layers": [o.n_gpu_layers, o.n_gpu_layers_draft],
             "devices": [o.device, o.device_draft],
             "repack": self.repack,
+            # A split target costs the network's round trips: keyed by where it runs.
+            "rpc": [[d.description, d.total_bytes] for d in self.workers],
         }
 
     def _cost_settings(self, sizes: set[int]) -> dict[str, object]:

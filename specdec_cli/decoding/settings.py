@@ -51,7 +51,8 @@ class EngineOptions:
     n_gpu_layers: int | None = None  # None: llama.cpp's default, every layer the build can
     n_gpu_layers_draft: int | None = None
     device: str | None = None  # -dev: "CUDA0", "CUDA0,CUDA1" or "none"; None: every GPU
-    device_draft: str | None = None  # -devd; None: as -dev
+    device_draft: str | None = None  # -devd; None: as -dev (this machine's, with --rpc)
+    rpc: tuple[str, ...] = ()  # --rpc: the workers' HOST:PORT; their devices join -dev's
     repack: bool | None = None  # --repack/--no-repack; None: on, unless the CPU crashes
     parallel: int = 1  # -np: generations decoded at once (serve), each in a slot of its own
     n_batch: int = 2048  # llama.cpp's -b: tokens one decode call takes

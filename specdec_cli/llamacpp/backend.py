@@ -1,9 +1,10 @@
 """Which llama.cpp this is: the ggml backends it was built with, the devices they see.
 
 llama-cpp-python does not wrap ggml's backend registry, so this module declares the
-few functions it needs on the ggml library llama-cpp-python ships (ctypes, like
-llama.py). A CUDA, Metal or Vulkan build lists its backend next to "CPU"; its GPUs
-are the devices `-dev`/`-devd` name and `--list-devices` shows.
+few functions it needs (ctypes, like llama.py). They are looked up through libllama's
+own handle, so that they are the ggml libllama uses, wherever LLAMA_CPP_LIB_PATH put it.
+A CUDA, Metal or Vulkan build lists its backend next to "CPU"; its GPUs are the
+devices `-dev`/`-devd` name and `--list-devices` shows, as are an RPC worker's (rpc.py).
 """
 
 from __future__ import annotations
@@ -15,16 +16,16 @@ from functools import cache
 from typing import Any
 
 import llama_cpp.llama_cpp as llama_cpp
-from llama_cpp._ggml import libggml
 
 from specdec_cli.errors import UserError
 
 _DEVICE_TYPE_CPU = 0  # enum ggml_backend_dev_type: CPU, GPU, IGPU, ACCEL, META
+_DEVICE_TYPE_ACCEL = 3
 _MIB = 1024 * 1024
 
 
 def _declare(name: str, restype: type | None, *argtypes: type) -> Callable[..., Any]:
-    function = getattr(libggml, name)
+    function = getattr(llama_cpp._lib, name)
     function.restype = restype
     function.argtypes = list(argtypes)
     return function
@@ -38,6 +39,16 @@ _dev_get = _declare("ggml_backend_dev_get", ctypes.c_void_p, ctypes.c_size_t)
 _dev_name = _declare("ggml_backend_dev_name", ctypes.c_char_p, ctypes.c_void_p)
 _dev_description = _declare("ggml_backend_dev_description", ctypes.c_char_p, ctypes.c_void_p)
 _dev_type = _declare("ggml_backend_dev_type", ctypes.c_int, ctypes.c_void_p)
+_reg_by_name = _declare("ggml_backend_reg_by_name", ctypes.c_void_p, ctypes.c_char_p)
+_reg_proc_address = _declare(
+    "ggml_backend_reg_get_proc_address", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_char_p
+)
+_reg_dev_count = _declare("ggml_backend_reg_dev_count", ctypes.c_size_t, ctypes.c_void_p)
+_reg_dev_get = _declare(
+    "ggml_backend_reg_dev_get", ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t
+)
+_register = _declare("ggml_backend_register", None, ctypes.c_void_p)
+_set_abort_callback = _declare("ggml_set_abort_callback", ctypes.c_void_p, ctypes.c_void_p)
 _dev_memory = _declare(
     "ggml_backend_dev_memory",
     None,
@@ -56,6 +67,12 @@ class Device:
     handle: int
     total_bytes: int = 0
     free_bytes: int = 0
+    kind: int = 1  # enum ggml_backend_dev_type
+
+    @property
+    def accelerator(self) -> bool:
+        """An ACCEL device (BLAS, AMX): it helps the CPU, it is not a place for layers."""
+        return self.kind == _DEVICE_TYPE_ACCEL
 
     def line(self) -> str:
         """llama.cpp's --list-devices line."""
@@ -69,26 +86,49 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_reg_name(_reg_get(i)).decode() for i in range(_reg_count()))
 
 
+def _device(handle: int) -> Device:
+    free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+    _dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
+    return Device(
+        _dev_name(handle).decode(),
+        (_dev_description(handle) or b"").decode(errors="replace"),
+        handle,
+        total.value,
+        free.value,
+        _dev_type(handle),
+    )
+
+
+def all_devices() -> list[Device]:
+    return [_device(_dev_get(i)) for i in range(_dev_count())]
+
+
 def gpu_devices() -> list[Device]:
     """The devices layers can be offloaded to: every device but the CPU, as llama.cpp's
     own --device and --list-devices count them."""
-    devices = []
-    for i in range(_dev_count()):
-        handle = _dev_get(i)
-        if _dev_type(handle) == _DEVICE_TYPE_CPU:
-            continue
-        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
-        _dev_memory(handle, ctypes.byref(free), ctypes.byref(total))
-        devices.append(
-            Device(
-                _dev_name(handle).decode(),
-                (_dev_description(handle) or b"").decode(errors="replace"),
-                handle,
-                total.value,
-                free.value,
-            )
-        )
-    return devices
+    return [d for d in all_devices() if d.kind != _DEVICE_TYPE_CPU]
+
+
+def cpu_devices() -> list[Device]:
+    return [d for d in all_devices() if d.kind == _DEVICE_TYPE_CPU]
+
+
+def reg_proc_address(backend_name: str, function: str) -> int | None:
+    """A function a backend exports by name (ggml_backend_reg_get_proc_address)."""
+    reg = _reg_by_name(backend_name.encode())
+    return _reg_proc_address(reg, function.encode()) if reg else None
+
+
+def register(reg: int) -> list[Device]:
+    """Add a backend's devices to ggml's list (an RPC worker's); they are returned."""
+    _register(reg)
+    return [_device(_reg_dev_get(reg, i)) for i in range(_reg_dev_count(reg))]
+
+
+def set_abort_callback(callback: ctypes._CFuncPtr) -> None:
+    """What ggml calls before it aborts the process (ggml_set_abort_callback); the
+    caller keeps `callback` alive."""
+    _set_abort_callback(ctypes.cast(callback, ctypes.c_void_p))
 
 
 def device_list_text(devices: Sequence[Device]) -> str:

@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import os
 import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -52,6 +54,7 @@ from specdec_cli.decoding.scheduler import Counters, PromptCache, Scheduler, Tas
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp import rpc
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
@@ -67,6 +70,11 @@ GRACEFUL_SHUTDOWN_SECONDS = 10  # in-flight streams stop within a round; this is
 PUBLIC_PATHS = ("/health", "/")  # no API key: the page holds no data, it asks for the key
 # The chat format for a model without a template of its own, as llama-server falls back.
 FALLBACK_CHAT_TEMPLATE = "chatml"
+# A restart after a lost RPC worker: the listening socket it keeps, and that it waits.
+LISTEN_FD_ENV = "SPECDEC_LISTEN_FD"
+RESTARTED_ENV = "SPECDEC_RESTARTED"
+WORKER_POLL_SECONDS = 1.0
+FLUSH_SECONDS = 0.5
 
 
 # --- generations: in slots, advanced together in the worker thread ----------------------
@@ -150,12 +158,18 @@ class Service:
         self.metrics = Metrics()
         self._decoders: dict[tuple[Speculation, int], Decoder] = {}
         self.chat_template = options.chat_template  # None: the model's own
+        # Why requests get 503 while there is no engine (loading, or a worker away).
+        self.unavailable = "the model is loading"
+        self.listening: socket.socket | None = None  # what a restart keeps (see worker_lost)
 
     # In the worker thread.
 
     def load(self) -> Engine:
         """Load the models, and measure their costs now if -k auto could need them, so that
-        no request ever waits for a measurement."""
+        no request ever waits for a measurement. After a worker was lost (`restarted`),
+        wait for every worker first."""
+        if os.environ.pop(RESTARTED_ENV, None):
+            self._wait_for_workers()
         engine = Engine(self.engine_options, notify=note)
         for message in engine.warnings:
             warn(message)
@@ -173,6 +187,42 @@ class Service:
         cache = PromptCache(cache_mib * 2**20) if cache_mib > 0 else None
         self.scheduler = Scheduler(engine.slots, self.engine_options.n_ubatch, cache)
         return engine
+
+    def _wait_for_workers(self) -> None:
+        endpoints = self.engine_options.rpc
+        while not self.stopping.is_set():
+            try:
+                for endpoint in endpoints:
+                    rpc.check_worker(endpoint)
+                note(f"RPC workers {', '.join(endpoints)} answer: loading the models again")
+                return
+            except UserError as err:
+                self.unavailable = str(err)
+                self.stopping.wait(WORKER_POLL_SECONDS)
+
+    def worker_lost(self, line: str) -> None:
+        """A worker went away mid-decode (on ggml's thread, which must not return: see
+        rpc.guard). Every request in flight ends with 503, and the process starts over on
+        the same listening socket: it answers 503 until the workers are back."""
+        warn(f"{line}; the server answers 503 until it is back")
+        self.unavailable = line
+        error = ApiError(
+            f"{line}; retry",
+            status=503,
+            kind="server_busy",
+            code="worker_lost",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
+        if self.scheduler is not None:
+            for slot in self.scheduler.busy:
+                assert slot.task is not None
+                slot.task.done(Stats(stop_reason="worker lost"), error)
+        while self.waiting:
+            self._done(self.waiting.popleft(), Stats(stop_reason="worker lost"), error)
+        time.sleep(FLUSH_SECONDS)  # for the event loop to send those answers
+        if self.listening is None:
+            rpc.exit_with(line)
+        restart_on(self.listening)
 
     def loop(self) -> None:
         """The decode loop: place waiting jobs in free slots, advance every busy slot by
@@ -558,7 +608,8 @@ class Api:
 
     async def health(self, request: Request) -> Response:
         if self.service.engine is None:
-            return JSONResponse({"status": "loading model"}, status_code=503)
+            status = {"status": "unavailable", "error": self.service.unavailable}
+            return JSONResponse(status, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def page(self, request: Request) -> Response:
@@ -611,7 +662,7 @@ class Api:
         service = self.service
         if service.engine is None:
             raise ApiError(
-                "the model is loading; retry",
+                f"{service.unavailable}; retry",
                 status=503,
                 kind="server_busy",
                 code="loading",
@@ -790,12 +841,31 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def restart_on(sock: socket.socket) -> None:
+    """Start this server process over, keeping its listening socket (so that clients
+    get 503, not a refused connection, while it waits for its workers)."""
+    os.set_inheritable(sock.fileno(), True)
+    os.environ[LISTEN_FD_ENV] = str(sock.fileno())
+    os.environ[RESTARTED_ENV] = "1"
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+
+
+def listening_socket(options: ServeOptions) -> socket.socket:
+    """The socket a restart handed over, else a new one."""
+    fd = os.environ.pop(LISTEN_FD_ENV, None)
+    if fd is not None:
+        return socket.socket(fileno=int(fd))
+    return listen(options.host, options.port)
+
+
 def serve(engine_options: EngineOptions, options: ServeOptions) -> None:
     """Serve until SIGINT or SIGTERM."""
-    sock = listen(options.host, options.port)
+    sock = listening_socket(options)
     host, port = sock.getsockname()[:2]
     url = f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
     service = Service(engine_options, options)
+    service.listening = sock
     failure: list[BaseException] = []
 
     def on_loaded(error: BaseException | None) -> None:
@@ -814,7 +884,8 @@ def serve(engine_options: EngineOptions, options: ServeOptions) -> None:
     server = _Server(config, service)
     note(f"loading the models; {url}/health answers 503 until they are ready")
     try:
-        server.run(sockets=[sock])
+        with rpc.guard(engine_options.rpc, service.worker_lost):
+            server.run(sockets=[sock])
     finally:
         service.stop()
         service.worker.shutdown(wait=True)
