@@ -38,6 +38,7 @@ from ggufgen import (
 )
 
 from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.probe import choose_repack
 
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
 # The draft is the target's first DRAFT_LAYERS layers. The target's later layers
@@ -54,10 +55,13 @@ ModelPairFactory = Callable[[int], tuple[Path, Path]]
 
 @pytest.fixture(scope="session", autouse=True)
 def private_cost_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """Measured costs go to a directory of the test session's, never the user's cache."""
+    """Measured costs go to a directory of the test session's, never the user's cache.
+    On an AMX CPU the repack probe runs first, so that its once-only note (see
+    probe.choose_repack) reaches no test's output."""
     path = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("SPECDEC_CACHE_DIR", str(path))
+        choose_repack(None)
         yield path
 
 

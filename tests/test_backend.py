@@ -13,7 +13,7 @@ from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.loading import model_params, offload_warning
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp import backend, rowexp
+from specdec_cli.llamacpp import backend, rowexp, rpc
 from specdec_cli.llamacpp.backend import Device, pick_devices
 from specdec_cli.llamacpp.llama import ModelParams
 
@@ -83,13 +83,23 @@ def test_model_params_reach_llama_model_params(monkeypatch: pytest.MonkeyPatch) 
     assert defaults == ModelParams()
 
 
-def test_the_draft_device_follows_the_target_s_unless_given() -> None:
-    options = EngineOptions(Path("t.gguf"), device="CUDA0")
-    assert loading._draft_device(options) == ("CUDA0", "-dev")
-    assert loading._draft_device(EngineOptions(Path("t.gguf"), device_draft="CUDA1")) == (
-        "CUDA1",
-        "-devd",
-    )
+def test_the_draft_device_follows_the_target_s_unless_given_and_stays_off_workers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    worker = Device("RPC0", "10.0.0.2:50052", 0x3000)
+    monkeypatch.setattr(backend, "gpu_devices", lambda: [*GPUS, worker])
+    monkeypatch.setattr(rpc, "_registered", {worker.description: [worker]})
+    target = Path("t.gguf")
+
+    def draft_devices(**options: object) -> tuple[int, ...] | None:
+        return loading._draft_params(EngineOptions(target, **options), True).devices
+
+    assert draft_devices(device="CUDA0") == (0x1000,)
+    assert draft_devices(device_draft="CUDA1") == (0x2000,)
+    assert draft_devices() is None  # llama.cpp's default: every GPU
+    # With --rpc and no -devd: this machine's GPUs, never a worker's (and -devd still can).
+    assert draft_devices(rpc=(worker.description,)) == (0x1000, 0x2000)
+    assert draft_devices(rpc=(worker.description,), device_draft="RPC0") == (0x3000,)
 
 
 @pytest.mark.parametrize(

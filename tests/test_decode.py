@@ -584,15 +584,25 @@ def test_matches_llama_cpp_python_greedy(stories260k: Path) -> None:
 
 def llama_cpp_greedy(path: Path, prompt: list[int], n: int, flash_attn: str) -> list[int]:
     """llama-cpp-python's own high-level greedy generation (Llama.generate at temp 0), n
-    tokens. Its Llama cannot load without repacked weights: skip where specdec finds
-    them unsafe (quantized models crash on some AMX CPUs, see specdec_cli.llamacpp.probe)."""
+    tokens. Its Llama takes no --no-repack: where specdec finds repacked weights unsafe
+    (quantized models crash on some AMX CPUs, see specdec_cli.llamacpp.probe), its
+    default model parameters are patched to load without them, as specdec loads."""
     import llama_cpp
 
-    if not choose_repack(None)[0]:
-        pytest.skip("llama.cpp's repacked kernels crash on this CPU; Llama cannot avoid them")
-    llm = llama_cpp.Llama(
-        model_path=str(path), n_ctx=256, n_threads=1, flash_attn=flash_attn == "on", verbose=False
-    )
+    with pytest.MonkeyPatch.context() as patch:
+        if not choose_repack(None)[0]:
+            default = llama_cpp.llama_cpp.llama_model_default_params
+
+            def without_repack() -> llama_cpp.llama_model_params:
+                params = default()
+                params.use_extra_bufts = False
+                return params
+
+            patch.setattr(llama_cpp.llama_cpp, "llama_model_default_params", without_repack)
+        llm = llama_cpp.Llama(
+            model_path=str(path), n_ctx=256, n_threads=1, flash_attn=flash_attn == "on",
+            verbose=False,
+        )  # fmt: skip
     try:
         return list(itertools.islice(llm.generate(prompt, temp=0.0), n))
     finally:

@@ -120,6 +120,7 @@ def describe_build() -> dict[str, object]:
     from llama_cpp import __version__ as binding
 
     from specdec_cli.llamacpp import backend, costcache, machine, rowexp, rpc
+    from specdec_cli.llamacpp.probe import choose_repack
     from specdec_cli.models.config import default_config_path
 
     system_info = backend.system_info()
@@ -132,6 +133,7 @@ def describe_build() -> dict[str, object]:
         "system_info": system_info,
         "physical_cores": machine.physical_cores(),
         "cpu_amx": machine.advertises_amx(machine.cpu_flags(), system_info),
+        "repack": choose_repack(None)[0],  # off where the probe saw them crash
         "row_exp": rowexp.kernel_name(),
         "cache_dir": str(costcache.cache_dir()),
         "config_file": str(default_config_path()),
@@ -149,6 +151,10 @@ def _build_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
         ("llama.cpp system info", str(facts["system_info"])),
         ("physical cores", str(facts["physical_cores"])),
         ("CPU advertises AMX", "yes" if facts["cpu_amx"] else "no"),
+        (
+            "repacked kernels (--repack)",
+            "on" if facts["repack"] else "off: they crash on this CPU (--repack forces them)",
+        ),
         ("exp over a row (sampling)", str(facts["row_exp"])),
         ("cache", str(facts["cache_dir"])),
         ("config file", str(facts["config_file"])),

@@ -141,8 +141,9 @@ def run_probe(command: Sequence[str] = PROBE_COMMAND) -> Verdict:
     return Verdict(False, f"exited with code {child.returncode}")
 
 
-def cached_verdict() -> Verdict:
-    """The probe's verdict for this CPU and llama.cpp build: from the cache, or run now."""
+def cached_verdict() -> tuple[Verdict, bool]:
+    """The probe's verdict for this CPU and llama.cpp build, from the cache or run now;
+    and whether it was run now."""
     cpu = {
         "name": machine.cpu_name(),
         "flags": sorted(machine.cpu_flags()),
@@ -151,26 +152,27 @@ def cached_verdict() -> Verdict:
     key = costcache.cache_key([], {"probe": "repack", "cpu": cpu})
     entry = costcache.load_entry("probe", key)
     if entry is not None and isinstance(entry.get("survived"), bool):
-        return Verdict(entry["survived"], str(entry.get("detail", "")))
+        return Verdict(entry["survived"], str(entry.get("detail", ""))), False
     verdict = run_probe()
     costcache.save_entry("probe", key, {"survived": verdict.survived, "detail": verdict.detail})
-    return verdict
+    return verdict, True
 
 
 def choose_repack(asked: bool | None) -> tuple[bool, str | None]:
     """Whether to load with extra buffer types (--repack), and a line for the user when
-    specdec turned them off itself. `asked` is --repack / --no-repack (None: neither)."""
+    specdec turns them off itself: said once, when the probe finds out (`specdec info`
+    says it after). `asked` is --repack / --no-repack (None: neither)."""
     if asked is not None:
         return asked, None
     if not machine.advertises_amx(machine.cpu_flags(), backend.system_info()):
         return True, None
-    result = cached_verdict()
+    result, fresh = cached_verdict()
     if result.survived:
         return True, None
     return False, (
         f"llama.cpp's repacked (AMX) kernels crash on this CPU (a test run {result.detail}): "
-        "running with --no-repack; pass --repack to force them"
-    )
+        "running with --no-repack from now on; pass --repack to force them"
+    ) if fresh else None
 
 
 if __name__ == "__main__":

@@ -206,6 +206,7 @@ class Service:
         the same listening socket: it answers 503 until the workers are back."""
         warn(f"{line}; the server answers 503 until it is back")
         self.unavailable = line
+        self.engine = None  # new requests: 503 from now on
         error = ApiError(
             f"{line}; retry",
             status=503,
@@ -217,8 +218,9 @@ class Service:
             for slot in self.scheduler.busy:
                 assert slot.task is not None
                 slot.task.done(Stats(stop_reason="worker lost"), error)
-        while self.waiting:
-            self._done(self.waiting.popleft(), Stats(stop_reason="worker lost"), error)
+        with self.wake:
+            while self.waiting:
+                self._done(self.waiting.popleft(), Stats(stop_reason="worker lost"), error)
         time.sleep(FLUSH_SECONDS)  # for the event loop to send those answers
         if self.listening is None:
             rpc.exit_with(line)
