@@ -1,15 +1,20 @@
 """Speculation across a network: the target split over two RPC workers, each in a
-network namespace of its own behind a veth pair, with `tc netem` delay on the link.
+network namespace of its own behind a veth pair, with a delay on the link.
 
-For every delay (milliseconds added to each packet this machine sends a worker, so to
-each round trip), `specdec bench` measures the target alone and with speculation,
+The delay is added by a small TCP relay per worker, in this script: `tc netem` would be
+the tool, but this VM's kernel has no sch_netem. The relay holds every chunk this machine
+sends a worker for the delay before passing it on (what netem on this side's egress
+does), so each round trip takes that much longer; the answers pass straight back. Every
+RPC setting, 0 ms included, goes through the relay, so its own cost is in all of them.
+
+For every delay, `specdec bench` measures the target alone and with speculation,
 interleaved, over the two workers; and once per round on this machine alone. The
 speedup is paired inside each bench (speculation over the target alone, same run). The
 rounds alternate the order of the settings (local, 0, 1, 5 ms, then back), and each
 setting's costs are measured afresh (a cost cache of its own), since -k auto prices
 drafts with the cost of the split target at that delay.
 
-Needs root (ip netns, tc) and llama.cpp built with RPC (`bash .ci/build_rpc` prints
+Needs root (ip netns) and llama.cpp built with RPC (`bash .ci/build_rpc` prints
 its folder). Run it on an otherwise idle machine.
 
     sudo python benchmarks/rpc_latency.py --lib DIR -m TARGET -d DRAFT [-k auto] \
@@ -21,17 +26,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 PORT = 50052
+RELAY_PORT = 50160  # relay i listens on 127.0.0.1:RELAY_PORT + i
 WORKERS = 2
+CHUNK = 1 << 20
 
 
 def sh(*args: str) -> None:
@@ -67,14 +77,67 @@ def namespaces() -> Iterator[None]:
             subprocess.run(["ip", "netns", "del", ns(i)], stderr=subprocess.DEVNULL)
 
 
-def set_delay(ms: float) -> None:
-    for i in range(1, WORKERS + 1):
-        sh("tc", "qdisc", "replace", "dev", f"sdh{i}", "root", "netem", "delay", f"{ms}ms")
+def relay(listen_port: int, to: tuple[str, int], delay_s: float) -> None:
+    """Forward connections on 127.0.0.1:listen_port to `to`, holding what goes there for
+    `delay_s` (each chunk leaves when its time comes, in order); answers pass at once."""
+    server = socket.create_server(("127.0.0.1", listen_port))
+    while True:
+        client, _ = server.accept()
+        upstream = socket.create_connection(to)
+        for sock in (client, upstream):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        held: queue.Queue[tuple[float, bytes]] = queue.Queue()
+        threading.Thread(target=_hold, args=(client, held), daemon=True).start()
+        threading.Thread(target=_release, args=(held, upstream, delay_s), daemon=True).start()
+        threading.Thread(target=_pass, args=(upstream, client), daemon=True).start()
+
+
+def _hold(source: socket.socket, held: queue.Queue) -> None:
+    while data := source.recv(CHUNK):
+        held.put((time.monotonic(), data))
+    held.put((time.monotonic(), b""))
+
+
+def _release(held: queue.Queue, sink: socket.socket, delay_s: float) -> None:
+    while True:
+        arrived, data = held.get()
+        wait = arrived + delay_s - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        if not data:
+            sink.shutdown(socket.SHUT_WR)
+            return
+        sink.sendall(data)
+
+
+def _pass(source: socket.socket, sink: socket.socket) -> None:
+    while data := source.recv(CHUNK):
+        sink.sendall(data)
+    sink.close()
 
 
 @contextmanager
-def workers(env: dict[str, str]) -> Iterator[str]:
-    """`specdec worker` in each namespace; yields the --rpc value."""
+def relays(delay_ms: float) -> Iterator[str]:
+    """A relay per worker, with this delay; yields the --rpc value that goes through them."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--relay", str(RELAY_PORT + i), worker_address(i),
+             str(delay_ms)]
+        )
+        for i in range(1, WORKERS + 1)
+    ]  # fmt: skip
+    time.sleep(1)
+    try:
+        yield ",".join(f"127.0.0.1:{RELAY_PORT + i}" for i in range(1, WORKERS + 1))
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+@contextmanager
+def workers(env: dict[str, str]) -> Iterator[None]:
+    """`specdec worker` in each namespace."""
     processes = []
     for i in range(1, WORKERS + 1):
         command = ["ip", "netns", "exec", ns(i), sys.executable, "-m", "specdec_cli", "worker"]
@@ -84,7 +147,7 @@ def workers(env: dict[str, str]) -> Iterator[str]:
         )
     time.sleep(3)
     try:
-        yield ",".join(f"{worker_address(i)}:{PORT}" for i in range(1, WORKERS + 1))
+        yield
     finally:
         for process in processes:
             process.kill()
@@ -117,6 +180,10 @@ def summary(report: dict) -> dict[str, float]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--relay"]:
+        port, host, delay_ms = sys.argv[2:5]
+        relay(int(port), (host, PORT), float(delay_ms) / 1000)
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lib", required=True, help="llama.cpp built with RPC (its .so folder)")
     parser.add_argument("-m", "--model", required=True)
@@ -131,13 +198,15 @@ def main() -> None:
     env = os.environ | {"LLAMA_CPP_LIB_PATH": args.lib}
     settings = ["local", *(f"{float(d):g}ms" for d in args.delays.split(","))]
     results: dict[str, list[dict[str, float]]] = {name: [] for name in settings}
-    with namespaces(), workers(env) as rpc:
+    with namespaces(), workers(env):
         for round_ in range(args.rounds):
             order = settings if round_ % 2 == 0 else settings[::-1]
             for name in order:
-                if name != "local":
-                    set_delay(float(name.removesuffix("ms")))
-                report = bench(args, env, None if name == "local" else rpc)
+                if name == "local":
+                    report = bench(args, env, None)
+                else:
+                    with relays(float(name.removesuffix("ms"))) as rpc:
+                        report = bench(args, env, rpc)
                 results[name].append(summary(report))
                 print(name, results[name][-1], flush=True)
     table = {
