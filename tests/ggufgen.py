@@ -13,7 +13,7 @@ a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -624,3 +624,35 @@ def _embeddings(
         norm: np.ones(n_embd, dtype=np.float32),
         "output.weight": output,
     }
+
+
+def scripted_model(
+    path: Path, pieces: Sequence[str], script: Mapping[str, str], template: str
+) -> Path:
+    """A model that says what it is told: its next token depends on the current one
+    only (one-hot embeddings; attention and feed-forward add nothing), as `script` maps
+    a token's text to the next one's; every other token is followed by EOS. `pieces`
+    join the synthetic vocabulary as user-defined tokens, read and written whole, and
+    `template` is its chat template. F32: its greedy text does not depend on batches."""
+    base = spm_vocab()
+    vocab = Vocab(
+        base.tokens + list(pieces),
+        base.scores + [0.0] * len(pieces),
+        base.types + [int(TokenType.USER_DEFINED)] * len(pieces),
+    )
+    n_embd = -(-len(vocab) // 64) * 64  # a dimension of its own for every token
+    hp = HParams(n_embd=n_embd, n_layer=1, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
+    tensors = llama_tensors(hp, vocab, seed=0)
+    tensors["token_embd.weight"] = np.eye(len(vocab), n_embd, dtype=np.float32)
+    tensors["blk.0.attn_output.weight"] = np.zeros((n_embd, n_embd), dtype=np.float32)
+    tensors["blk.0.ffn_down.weight"] = np.zeros((n_embd, hp.n_ff), dtype=np.float32)
+    ids = {text: i for i, text in enumerate(vocab.tokens)}
+    output = np.zeros((len(vocab), n_embd), dtype=np.float32)
+    for token in range(len(vocab)):
+        following = script.get(vocab.tokens[token])
+        output[ids[following] if following else EOS_ID, token] = 1.0
+    tensors["output.weight"] = output
+    metadata = llama_metadata(hp, vocab) | {
+        "tokenizer.chat_template": GGUFValue(template, GGUFValueType.STRING)
+    }
+    return write_gguf(path, metadata, tensors)

@@ -15,7 +15,7 @@ import pytest
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Model
 from specdec_cli.models import chat
-from specdec_cli.models.chat import ChatOptions, Message
+from specdec_cli.models.chat import ChatFormat, ChatOptions, Message
 
 CONVERSATION = [
     Message("system", "You are terse."),
@@ -98,15 +98,18 @@ def test_qwen2_template_from_its_gguf(vocab_model: Callable[[str], Model]) -> No
 
 def test_gemma_template(vocab_model: Callable[[str], Model]) -> None:
     gemma = vocab_model("gemma-4")
-    text = chat.render(gemma, CONVERSATION, GEMMA3_TEMPLATE)
-    assert text == GEMMA_EXPECTED
-    # The official template writes <bos> itself; llama.cpp leaves it to the tokenizer.
-    assert "<bos>" + text == jinja_render(GEMMA3_TEMPLATE, CONVERSATION, "<bos>")
-    assert chat.render(gemma, CONVERSATION, "gemma") == text  # the built-in name, the same
+    # As Jinja, the official template writes <bos> itself (chat_tokens keeps one).
+    text = chat.render(gemma, CONVERSATION, ChatFormat(GEMMA3_TEMPLATE))
+    assert text == "<bos>" + GEMMA_EXPECTED == jinja_render(GEMMA3_TEMPLATE, CONVERSATION, "<bos>")
+    # llama.cpp's built-in format, recognised by its markers, leaves BOS to the tokenizer.
+    assert chat.render(gemma, CONVERSATION, ChatFormat(GEMMA3_TEMPLATE, jinja=False)) == (
+        GEMMA_EXPECTED
+    )
+    assert chat.render(gemma, CONVERSATION, ChatFormat("gemma")) == GEMMA_EXPECTED
 
 
 def test_built_in_template_by_name(vocab_model: Callable[[str], Model]) -> None:
-    text = chat.render(vocab_model("llama-bpe"), CONVERSATION[:2], "llama3")
+    text = chat.render(vocab_model("llama-bpe"), CONVERSATION[:2], ChatFormat("llama3"))
     assert text == (
         "<|start_header_id|>system<|end_header_id|>\n\nYou are terse.<|eot_id|>"
         "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
@@ -116,8 +119,12 @@ def test_built_in_template_by_name(vocab_model: Callable[[str], Model]) -> None:
 
 def test_a_final_assistant_message_is_continued(vocab_model: Callable[[str], Model]) -> None:
     messages = [Message("user", "Hi"), Message("assistant", "Well,")]
-    text = chat.render(vocab_model("qwen2"), messages)
-    assert text == "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nWell,"
+    qwen2 = vocab_model("qwen2")
+    turns = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nWell,"
+    # Qwen2's own template adds its default system message; llama.cpp's ChatML does not.
+    default = "<|im_start|>system\nYou are a helpful assistant<|im_end|>\n"
+    assert chat.render(qwen2, messages) == default + turns
+    assert chat.render(qwen2, messages, ChatFormat(jinja=False)) == turns
 
 
 # --- BOS: added once, as llama-completion adds it ---
@@ -128,7 +135,7 @@ def test_bos_is_added_when_the_template_does_not_write_it(
     vocab_model: Callable[[str], Model], family: str, template: str
 ) -> None:
     model = vocab_model(family)
-    text = chat.render(model, CONVERSATION, template)
+    text = chat.render(model, CONVERSATION, ChatFormat(template))
     tokens = chat.chat_tokens(model, text)
     assert model.add_bos
     assert tokens == [model.bos, *model.tokenize(text, add_special=False)]
@@ -137,7 +144,7 @@ def test_bos_is_added_when_the_template_does_not_write_it(
 def test_bos_written_by_the_template_is_not_doubled(vocab_model: Callable[[str], Model]) -> None:
     """GigaChat's format starts with <s>, Llama 2's BOS, which the vocabulary adds too."""
     llama2 = vocab_model("llama-spm")
-    text = chat.render(llama2, CONVERSATION, "gigachat")
+    text = chat.render(llama2, CONVERSATION, ChatFormat("gigachat"))
     assert text.startswith("<s>")
     assert llama2.tokenize(text)[:2] == [llama2.bos, llama2.bos]  # what dropping one fixes
     tokens = chat.chat_tokens(llama2, text)
@@ -162,9 +169,9 @@ def test_template_llama_cpp_does_not_recognise(vocab_model: Callable[[str], Mode
     with pytest.raises(
         UserError,
         match=r"does not recognise the chat template of "
-        r"ggml-vocab-gemma-4\.gguf.*--chat-template",
+        r"ggml-vocab-gemma-4\.gguf.*drop --no-jinja",
     ):
-        chat.render(vocab_model("gemma-4"), CONVERSATION)
+        chat.render(vocab_model("gemma-4"), CONVERSATION, ChatFormat(jinja=False))
 
 
 # --- --chat-template ---
@@ -186,7 +193,11 @@ def test_template_override_refusals(tmp_path: Path) -> None:
         chat.template_override("chatml2")
     path = tmp_path / "mine.jinja"
     path.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert chat.template_override(str(path)) == path.read_text()  # as Jinja: any template
     with pytest.raises(UserError, match=r"does not recognise the chat template in .*mine\.jinja"):
+        chat.template_override(str(path), use_jinja=False)
+    path.write_text("{% for m in messages %}")
+    with pytest.raises(UserError, match=r"not valid Jinja .*line 1"):
         chat.template_override(str(path))
 
 
@@ -267,17 +278,19 @@ def test_conversation_order() -> None:
 def test_chat_options(tmp_path: Path) -> None:
     path = tmp_path / "m.json"
     path.write_text('[{"role": "system", "content": "S"}, {"role": "user", "content": "U"}]')
-    assert chat.chat_options(False, None, None, None, "p") is None
-    # --system, --messages and --chat-template each imply --chat.
-    assert chat.chat_options(False, "S", None, None, "p") == ChatOptions(system="S")
-    assert chat.chat_options(False, None, None, "chatml", "p") == ChatOptions(template="chatml")
-    assert chat.chat_options(False, None, str(path), None, None).history == (
+    plain = ChatFormat()
+    assert chat.chat_options(False, None, None, "p", plain) is None
+    # --system, --messages and a chat template each imply --chat.
+    assert chat.chat_options(False, "S", None, "p", plain) == ChatOptions(system="S")
+    chatml = ChatFormat("chatml")
+    assert chat.chat_options(False, None, None, "p", chatml) == ChatOptions(format=chatml)
+    assert chat.chat_options(False, None, str(path), None, plain).history == (
         Message("system", "S"),
         Message("user", "U"),
     )
     with pytest.raises(UserError, match=r"--system and the system message in .*m\.json"):
-        chat.chat_options(True, "T", str(path), None, None)
+        chat.chat_options(True, "T", str(path), None, plain)
     with pytest.raises(UserError, match="stdin can feed --messages or -p, not both"):
-        chat.chat_options(True, None, "-", None, "-")
+        chat.chat_options(True, None, "-", "-", plain)
     with pytest.raises(UserError, match=r"messages file not found: .*nope\.json"):
-        chat.chat_options(True, None, str(tmp_path / "nope.json"), None, None)
+        chat.chat_options(True, None, str(tmp_path / "nope.json"), None, plain)

@@ -107,13 +107,14 @@ def test_chat_template_supplies_a_missing_template(target_model: Path, chat_mode
     assert json.loads(named.stdout)["prompt_tokens"] == own["prompt_tokens"]
 
 
-def test_chat_template_file_llama_cpp_does_not_recognise(
-    target_model: Path, tmp_path: Path
-) -> None:
+def test_a_template_file_runs_as_jinja_unless_no_jinja(target_model: Path, tmp_path: Path) -> None:
     path = tmp_path / "mine.jinja"
-    path.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    result = specdec("run", "-m", str(target_model), "--chat-template", str(path), "-p", "hi")
-    assert_user_error(result, "does not recognise the chat template in", str(path))
+    path.write_text("{% for m in messages %}[{{ m.content }}]{% endfor %}")
+    args = ["run", "-m", str(target_model), "--chat-template", str(path), "-p", "hi"]
+    shown = specdec(*args, "-n", "1", "-q", "--verbose-prompt")
+    assert shown.returncode == 0 and "[hi]" in shown.stderr, shown.stderr
+    refused = specdec(*args, "--no-jinja")
+    assert_user_error(refused, "does not recognise the chat template in", str(path))
 
 
 def test_chat_without_template_is_refused(target_model: Path) -> None:

@@ -28,7 +28,7 @@ from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model
-from specdec_cli.models.chat import Message, chat_tokens, render
+from specdec_cli.models.chat import ChatFormat, Message, chat_tokens, render
 
 N = 64
 # How far llama.cpp's kernels move a logit of this model between batch shapes: near-ties
@@ -129,7 +129,7 @@ def chat_prompt(path: Path, question: str, template: str) -> tuple[str, list[int
     """A one-question conversation in `template`'s format: its text and its tokens."""
     model = Model(path, vocab_only=True)
     try:
-        rendered = render(model, [Message("user", question)], template)
+        rendered = render(model, [Message("user", question)], ChatFormat(template))
         return rendered, chat_tokens(model, rendered)
     finally:
         model.close()

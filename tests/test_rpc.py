@@ -378,3 +378,24 @@ def test_a_worker_beyond_loopback_needs_expose() -> None:
     assert_one_line_error(result, "--expose", "SSH tunnel")
     assert rpc.check_host("127.0.0.1", expose=False) is None
     assert "never expose" in (rpc.check_host("0.0.0.0", expose=True) or "")
+
+
+@needs_rpc
+def test_bench_records_the_workers(workers, target_model: Path, tmp_path: Path) -> None:
+    (worker,) = workers(1)
+    out = tmp_path / "bench.json"
+    result = specdec(
+        "bench", "-m", str(target_model), "-d", "ngram", "-k", "2", "-n", "8", "--repeat", "1",
+        "--prompts", str(prompts(tmp_path)), "-t", "1", "--rpc", worker.endpoint,
+        "--json", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    (recorded,) = json.loads(out.read_text())["settings"]["rpc"]
+    assert recorded[0] == worker.endpoint  # the worker, and its device's memory
+    assert isinstance(recorded[1], int)
+
+
+def prompts(folder: Path) -> Path:
+    path = folder / "prompts.txt"
+    path.write_text("Once upon a time\n")
+    return path

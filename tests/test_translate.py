@@ -24,7 +24,7 @@ from specdec_cli.decoding.policy import TRANSLATED_PRIOR
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
 from specdec_cli.llamacpp.llama import Model
-from specdec_cli.models.chat import ChatOptions
+from specdec_cli.models.chat import ChatFormat, ChatOptions
 
 # Multi-byte characters of 2, 3 and 4 bytes, and text a story draft knows.
 PROMPT = "Once upon a time, a naïve cat — 日本の猫 🙂 — sat"
@@ -272,7 +272,7 @@ def test_each_model_reads_a_chat_in_its_own_format(shuffled: Path, stories260k: 
     """The target's chat markers never reach a translated draft as text: a draft without
     a chat format of its own gets the messages' words."""
     with open_engine(shuffled, stories260k) as engine:
-        chat = ChatOptions(system="Be brief.", template="chatml")
+        chat = ChatOptions(system="Be brief.", format=ChatFormat("chatml"))
         tokens = engine.tokenize("What is a cat?", chat)
         assert engine.translation is not None
         draft_tokens = engine.translation.draft_tokens(tokens)

@@ -36,17 +36,22 @@ from specdec_cli.commands.display import (
 )
 from specdec_cli.commands.options import (
     MODEL_HELP,
+    ChatTemplateFileOpt,
+    ChatTemplateKwargsOpt,
     ChatTemplateOpt,
     ConfigOpt,
     DraftsOpt,
     EngineFlags,
+    JinjaOpt,
     JsonOpt,
     MinPOpt,
     ModelOpt,
+    ReasoningFormat,
     TopKOpt,
     TopPOpt,
     TreeOpt,
     VerboseOpt,
+    VerbosePromptOpt,
     described,
     draft_length_option,
     engine_options,
@@ -70,7 +75,7 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
-from specdec_cli.models.chat import chat_options, template_override
+from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.serve.api import ServeOptions
 
@@ -219,6 +224,10 @@ def run(
         ),
     ] = None,
     chat_template: ChatTemplateOpt = None,
+    chat_template_file: ChatTemplateFileOpt = None,
+    jinja: JinjaOpt = True,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    verbose_prompt: VerbosePromptOpt = False,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
@@ -286,7 +295,8 @@ def run(
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
     # The input first: a typo there must not wait for models to load (or download).
-    chat_opts = chat_options(chat, system, messages, chat_template, prompt)
+    chat_format_ = chat_format(chat_template, chat_template_file, jinja, chat_template_kwargs)
+    chat_opts = chat_options(chat, system, messages, prompt, chat_format_)
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     options, defaults = engine_options(
         model, draft or [], config, k=k, tree=tree, **shared_options(locals())
@@ -295,7 +305,9 @@ def run(
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
         warn(message)
-    output = Output(as_json, json_tokens, color, quiet, json_lines=prompts is not None)
+    output = Output(
+        as_json, json_tokens, color, quiet, json_lines=prompts is not None, prompt=verbose_prompt
+    )
     generate(options, texts, generation, tuple(stop or ()), chat_opts, output)
 
 
@@ -579,6 +591,21 @@ def serve(
         ),
     ] = None,
     chat_template: ChatTemplateOpt = None,
+    chat_template_file: ChatTemplateFileOpt = None,
+    jinja: JinjaOpt = True,
+    chat_template_kwargs: ChatTemplateKwargsOpt = None,
+    reasoning_format: Annotated[
+        ReasoningFormat | None,
+        typer.Option(
+            "--reasoning-format",
+            help=described(
+                "Thinking (<think>...</think>) in chat replies: 'deepseek' sends it apart, "
+                "as message.reasoning_content and delta.reasoning_content; 'none' leaves it "
+                "in the content ('auto': deepseek, as llama-server).",
+                ServeOptions.reasoning_format,
+            ),
+        ),
+    ] = None,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
@@ -619,8 +646,11 @@ def serve(
         parallel=parallel,
         cache_ram=cache_ram,
         queue=queue,
-        chat_template=template_override(chat_template) if chat_template else None,
+        reasoning_format=reasoning_format.value.replace("auto", "deepseek")
+        if reasoning_format
+        else None,
     )
+    given["chat"] = chat_format(chat_template, chat_template_file, jinja, chat_template_kwargs)
     serve_options = ServeOptions(**given)
     run_server(replace(options, parallel=serve_options.parallel), serve_options)
 

@@ -343,6 +343,16 @@ TreeOpt = Annotated[
         ),
     ),
 ]
+
+
+class ReasoningFormat(str, Enum):
+    """--reasoning-format's choices (llama-server's names)."""
+
+    auto = "auto"
+    deepseek = "deepseek"
+    none = "none"
+
+
 ChatTemplateOpt = Annotated[
     str | None,
     typer.Option(
@@ -350,8 +360,39 @@ ChatTemplateOpt = Annotated[
         metavar="NAME|FILE",
         help="The chat format instead of the model's own (for run, implies --chat): a "
         f"llama.cpp built-in name ({', '.join(builtin_chat_templates())}), or a Jinja "
-        "template file, which llama.cpp only recognises as one of those formats (else "
-        "refused).",
+        "template file (with --no-jinja, only one llama.cpp recognises as a built-in).",
+    ),
+]
+ChatTemplateFileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template-file",
+        metavar="FILE",
+        help="A Jinja chat template to use instead of the model's own (llama-server's flag).",
+    ),
+]
+JinjaOpt = Annotated[
+    bool,
+    typer.Option(
+        "--jinja/--no-jinja",
+        help="Run the chat template as Jinja, in a sandbox, as transformers and llama-server "
+        "do; --no-jinja: llama.cpp's built-in formats, recognised by markers.",
+    ),
+]
+ChatTemplateKwargsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help="Extra variables for the Jinja template, e.g. '{\"enable_thinking\": false}'.",
+    ),
+]
+VerbosePromptOpt = Annotated[
+    bool,
+    typer.Option(
+        "--verbose-prompt",
+        help="Print the prompt as the model receives it (chat template applied) and its "
+        "token count to stderr.",
     ),
 ]
 ConfigOpt = Annotated[

@@ -32,6 +32,7 @@ class Output:
     color: bool = False
     quiet: bool = False
     json_lines: bool = False  # --prompts: one JSON line per prompt
+    prompt: bool = False  # --verbose-prompt: the prompt as the model receives it, on stderr
 
 
 def generate(
@@ -45,7 +46,7 @@ def generate(
     """Load the models and generate from each prompt (keyed by its line number)."""
     with loaded_engine(options, quiet=output.quiet) as engine:
         if output.json_lines:
-            _run_many(engine, texts, generation, stop, chat, output.json_tokens)
+            _run_many(engine, texts, generation, stop, chat, output)
         else:
             _run_one(engine, texts[0], generation, stop, chat, output)
 
@@ -86,6 +87,8 @@ def _run_one(
 ) -> None:
     """One generation: the text as it comes (or held for --json), then the stats."""
     tokens = engine.tokenize(text, chat)
+    if output.prompt:
+        show_prompt(engine, tokens)
     stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
     display = make_display(stats, output.as_json, output.quiet, output.color)
     pieces: list[Piece] = []
@@ -129,16 +132,18 @@ def _run_many(
     generation: GenerationOptions,
     stop: tuple[str, ...],
     chat: ChatOptions | None,
-    json_tokens: bool,
+    output: Output,
 ) -> None:
     """One JSON line per prompt, each with a seed of its own derived from --seed."""
     for line, text in texts.items():
         seed = line_seed(generation.seed, line)
         tokens = engine.tokenize(text, chat)
+        if output.prompt:
+            show_prompt(engine, tokens)
         stats, pieces = Stats(), []
 
         def finish(line=line, text=text, seed=seed, stats=stats, pieces=pieces) -> None:
-            record = _record(engine, pieces, seed, stats, json_tokens)
+            record = _record(engine, pieces, seed, stats, output.json_tokens)
             print(json.dumps({"index": line, "prompt": text} | record), flush=True)
 
         rng = np.random.default_rng(seed)
@@ -149,6 +154,13 @@ def _run_many(
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
         finish()
+
+
+def show_prompt(engine: Engine, tokens: list[int]) -> None:
+    """--verbose-prompt: the prompt's text as the model receives it, special tokens
+    written out, and its token count (llama.cpp's flag)."""
+    text = "".join(engine.model.token_text(t) for t in tokens)
+    print(f"prompt ({len(tokens)} tokens):\n{text}", file=sys.stderr, flush=True)
 
 
 def _record(

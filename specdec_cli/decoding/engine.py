@@ -4,6 +4,7 @@ generations from text to pieces of text. `run`, `bench` and `serve` go through i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -15,6 +16,7 @@ from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import EngineOptions, drafter_kind
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.models.chat import (
+    ChatFormat,
     ChatOptions,
     Message,
     chat_tokens,
@@ -51,17 +53,23 @@ class Engine(LoadedModels):
         """The prompt's tokens; with `chat`, wrapped in the target's chat format (the
         prompt may then be None: the conversation is in chat.history)."""
         if chat is not None:
-            return self.tokenize_messages(conversation(prompt, chat), chat.template)
+            return self.tokenize_messages(conversation(prompt, chat), chat.format)
         assert prompt is not None
         tokens = self.model.tokenize(prompt)
         if self.translation is not None:  # a translated draft tokenizes the prompt its own way
             self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
         return tokens
 
-    def tokenize_messages(self, messages: list[Message], template: str | None = None) -> list[int]:
-        """A conversation's tokens in the target's chat format (`template`, or its own),
-        and for a translated draft in the draft's own."""
-        tokens = chat_tokens(self.model, render(self.model, messages, template))
+    def tokenize_messages(
+        self,
+        messages: list[Message],
+        format: ChatFormat | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """A conversation's tokens in the target's chat format (`format`: its own template
+        unless it names one; `tools` described in it), and for a translated draft in the
+        draft's own."""
+        tokens = chat_tokens(self.model, render(self.model, messages, format, tools))
         if self.translation is not None:
             draft = self.translation.draft
             self.translation.remember(tokens, own_chat_tokens(draft, messages))

@@ -124,6 +124,7 @@ class Model:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train: int = llama_cpp.llama_model_n_ctx_train(self.ptr)
         self.bos: int = llama_cpp.llama_vocab_bos(self.vocab)
+        self.eos: int = llama_cpp.llama_vocab_eos(self.vocab)
         # Recurrent and hybrid models keep a state that cannot be cut back to a position.
         is_recurrent, is_hybrid = (
             llama_cpp.llama_model_is_recurrent,
@@ -167,6 +168,15 @@ class Model:
             cached = self._pieces[token] = buf.raw[:n]
         return cached
 
+    def token_text(self, token: int) -> str:
+        """A token's text, special tokens written out ("<bos>", "<|im_end|>"): what a
+        chat template calls bos_token and eos_token. "" for no token (-1)."""
+        if token < 0:
+            return ""
+        buf = ctypes.create_string_buffer(256)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 256, 0, True)
+        return buf.raw[: max(n, 0)].decode(errors="replace")
+
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
@@ -175,7 +185,7 @@ class Model:
             vocab_type=VOCAB_TYPES.get(llama_cpp.llama_vocab_type(self.vocab), "unknown"),
             n_tokens=self.n_vocab,
             bos=_token_or_none(self.bos),
-            eos=_token_or_none(llama_cpp.llama_vocab_eos(self.vocab)),
+            eos=_token_or_none(self.eos),
             add_bos=self.add_bos,
             add_eos=bool(llama_cpp.llama_vocab_get_add_eos(self.vocab)),
         )

@@ -1,20 +1,24 @@
 """Chat prompts: a conversation, formatted with a chat template, tokenized as llama.cpp does.
 
-The formatting is llama.cpp's own llama_chat_apply_template, as in llama-completion
-without --jinja: it knows a fixed set of formats (llama_chat_builtin_templates) and picks
-one by name, or by markers in a template's text; it does not run Jinja. A template it
-does not recognise is refused, never guessed.
+By default the model's own template runs as Jinja (jinja.py), as llama-server runs it
+since --jinja became its default. With --no-jinja, or a built-in format's name, the
+formatting is llama.cpp's own llama_chat_apply_template: it knows a fixed set of formats
+(llama_chat_builtin_templates) and picks one by name, or by markers in a template's
+text. A template it does not recognise is refused, never guessed.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Model, apply_chat_template, builtin_chat_templates
+from specdec_cli.models import jinja
 
 ROLES = ("system", "user", "assistant", "tool")
 # OpenAI's newer name for the system role; llama.cpp maps it the same way (common/chat.cpp).
@@ -26,6 +30,39 @@ MESSAGES_FORMAT = 'a JSON list of {"role": ..., "content": "..."} objects'
 class Message:
     role: str
     content: str
+    # An assistant's calls, in OpenAI's shape ({"id", "type", "function": {"name",
+    # "arguments"}}), and a tool message's answer to one.
+    tool_calls: tuple[dict[str, Any], ...] = field(default=(), hash=False)
+    tool_call_id: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The message as chat templates read it (transformers' shape): a call's
+        arguments as an object, where they are JSON."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [_with_object_arguments(call) for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _with_object_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    function = dict(call["function"])
+    with suppress(TypeError, ValueError):  # not JSON text: as the client sent it
+        function["arguments"] = json.loads(function["arguments"])
+    return {**call, "function": function}
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a conversation becomes text. `template`: a built-in format's name (always
+    llama.cpp's), or a template's text; None: the model's own. `jinja`: run the template
+    as Jinja (else llama.cpp recognises it, or refuses). `kwargs`: variables the template
+    may read (--chat-template-kwargs, e.g. {"enable_thinking": false})."""
+
+    template: str | None = None
+    jinja: bool = True
+    kwargs: dict[str, Any] = field(default_factory=dict, hash=False)
 
 
 @dataclass(frozen=True)
@@ -33,25 +70,24 @@ class ChatOptions:
     """How to wrap a prompt in the model's chat format.
 
     The conversation is: the system message, the history, then the prompt as the last
-    user turn (when there is a prompt). `template` is a built-in template name or the
-    text of a template llama.cpp recognises; None uses the model's own.
+    user turn (when there is a prompt), formatted as `format` says.
     """
 
     system: str | None = None
     history: tuple[Message, ...] = ()
-    template: str | None = None
+    format: ChatFormat = field(default_factory=ChatFormat)
 
 
 def chat_options(
     chat: bool,
     system: str | None,
     messages: str | None,
-    template: str | None,
     prompt: str | None,
+    format: ChatFormat,
 ) -> ChatOptions | None:
     """The chat settings the command line asks for, read and checked; None for a plain
-    prompt. --system, --messages and --chat-template each imply --chat."""
-    if not (chat or system is not None or messages is not None or template is not None):
+    prompt. --system, --messages and a chat template each imply --chat."""
+    if not (chat or system is not None or messages is not None or format.template is not None):
         return None
     if messages == "-" and prompt == "-":
         raise UserError("stdin can feed --messages or -p, not both; put one of them in a file")
@@ -61,7 +97,37 @@ def chat_options(
             f"--system and the system message in {messages} would be two system messages; "
             "keep one of them"
         )
-    return ChatOptions(system, history, template_override(template) if template else None)
+    return ChatOptions(system, history, format)
+
+
+def chat_format(
+    template: str | None, template_file: str | None, use_jinja: bool, kwargs: str | None
+) -> ChatFormat:
+    """--chat-template, --chat-template-file, --jinja/--no-jinja and
+    --chat-template-kwargs, read and checked."""
+    if template is not None and template_file is not None:
+        raise UserError("--chat-template and --chat-template-file name two templates; keep one")
+    if template_file is not None:
+        if not use_jinja:
+            raise UserError("--chat-template-file is a Jinja template; drop --no-jinja")
+        text = _read_template(Path(template_file), "--chat-template-file")
+    else:
+        text = template_override(template, use_jinja) if template is not None else None
+    return ChatFormat(text, use_jinja, parse_template_kwargs(kwargs) if kwargs else {})
+
+
+def parse_template_kwargs(text: str) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object of extra variables for the template."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UserError(
+            f"--chat-template-kwargs is not valid JSON ({err.msg}); give an object, e.g. "
+            "'{\"enable_thinking\": false}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise UserError(f"--chat-template-kwargs must be a JSON object, not a {_kind(value)}")
+    return value
 
 
 def read_messages(source: str) -> tuple[Message, ...]:
@@ -69,13 +135,18 @@ def read_messages(source: str) -> tuple[Message, ...]:
     if source == "-":
         return parse_messages(sys.stdin.read(), "stdin")
     path = Path(source)
+    text = _read_text(path, f"messages file not found: {path}; check the path")
+    return parse_messages(text, str(path))
+
+
+def _read_text(path: Path, missing: str) -> str:
+    """A UTF-8 file's text; a missing one says `missing`, an unreadable one says why."""
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise UserError(f"messages file not found: {path}; check the path") from None
+        raise UserError(missing) from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
-    return parse_messages(text, str(path))
 
 
 def parse_messages(text: str, origin: str) -> tuple[Message, ...]:
@@ -107,16 +178,36 @@ def messages_from(items: list[object], origin: str) -> tuple[Message, ...]:
 def _message(item: object, where: str) -> Message:
     if not isinstance(item, dict):
         raise UserError(f'{where} is a {_kind(item)}, not an object with "role" and "content"')
-    for field in ("role", "content"):
-        if field not in item:
-            raise UserError(f'{where} has no "{field}"; each message is {{"role", "content"}}')
+    calls = _tool_calls(item.get("tool_calls"), where)
+    for key in ("role", "content"):
+        if key not in item and not (key == "content" and calls):
+            raise UserError(f'{where} has no "{key}"; each message is {{"role", "content"}}')
     role = item["role"]
     if not isinstance(role, str):
         raise UserError(f'{where}: "role" is a {_kind(role)}, not a string')
     role = ROLE_ALIASES.get(role, role)
     if role not in ROLES:
         raise UserError(f"{where}: unknown role {role!r}; use one of {', '.join(ROLES)}")
-    return Message(role, _content(item["content"], where))
+    content = item.get("content")
+    call_id = item.get("tool_call_id")
+    if call_id is not None and not isinstance(call_id, str):
+        raise UserError(f'{where}: "tool_call_id" is a {_kind(call_id)}, not a string')
+    text = "" if content is None and calls else _content(content, where)
+    return Message(role, text, calls, call_id)
+
+
+def _tool_calls(calls: object, where: str) -> tuple[dict[str, Any], ...]:
+    """An assistant message's tool_calls, checked: OpenAI's shape."""
+    if calls is None:
+        return ()
+    shape = '{"id", "type": "function", "function": {"name", "arguments"}}'
+    if not isinstance(calls, list):
+        raise UserError(f'{where}: "tool_calls" is a {_kind(calls)}, not a list of {shape}')
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise UserError(f"{where}: tool_calls[{j}] is not {shape}")
+    return tuple(calls)
 
 
 def _content(content: object, where: str) -> str:
@@ -154,9 +245,10 @@ def _kind(value: object) -> str:
     }.get(type(value), type(value).__name__)
 
 
-def template_override(spec: str) -> str:
-    """--chat-template: a built-in template name as it is, or a template file's text if
-    llama.cpp recognises it (checked as llama.cpp's common_chat_verify_template does)."""
+def template_override(spec: str, use_jinja: bool = True) -> str:
+    """--chat-template: a built-in template name as it is, or a template file's text: as
+    Jinja (checked to compile), or with --no-jinja only if llama.cpp recognises it
+    (checked as llama.cpp's common_chat_verify_template does)."""
     names = builtin_chat_templates()
     if spec in names:
         return spec
@@ -166,16 +258,22 @@ def template_override(spec: str) -> str:
             f"--chat-template {spec}: neither a file nor one of llama.cpp's built-in "
             f"templates ({', '.join(names)})"
         )
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as err:
-        raise UserError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    text = _read_template(path, "--chat-template")
+    if use_jinja:
+        return text
     if apply_chat_template(text, [("user", "test")], True) is None:
         raise UserError(
             f"llama.cpp does not recognise the chat template in {path}: it does not run Jinja, "
             "it only picks one of its built-in formats by markers in a template; pass a "
-            "built-in name to --chat-template instead"
+            "built-in name to --chat-template instead, or drop --no-jinja"
         )
+    return text
+
+
+def _read_template(path: Path, flag: str) -> str:
+    text = _read_text(path, f"{flag}: {path} not found; check the path")
+    if "{%" in text or "{{" in text:
+        jinja.compile_template(text)  # a syntax error now, in one line, not per request
     return text
 
 
@@ -188,30 +286,93 @@ def conversation(prompt: str | None, options: ChatOptions) -> list[Message]:
     return messages
 
 
-def render(model: Model, messages: list[Message], template: str | None = None) -> str:
-    """The conversation in the model's chat format, ready for the assistant's reply.
+def render(
+    model: Model,
+    messages: list[Message],
+    format: ChatFormat | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The conversation in the model's chat format, ready for the assistant's reply;
+    `tools`: the functions the model may call, for the template to describe.
 
     If the last message is the assistant's, the reply continues it (a prefill, as
     llama-server does): the turns before it are formatted, then its text follows the
     assistant's header.
     """
-    template = template or model.chat_template()
+    format = format or ChatFormat()
+    template = format.template or model.chat_template()
     if template is None:
         raise UserError(
             f"{model.path.name} has no chat template in its metadata; name its format with "
-            "--chat-template (e.g. chatml, llama3, gemma), or drop --chat and write the "
-            "prompt in the model's format yourself"
+            "--chat-template (e.g. chatml, llama3, gemma) or --chat-template-file, or drop "
+            "--chat and write the prompt in the model's format yourself"
         )
     prefill = messages[-1].content if messages[-1].role == "assistant" else None
     turns = messages[:-1] if prefill is not None else messages
+    if format.jinja and template not in builtin_chat_templates():
+        text = _render_jinja(model, template, turns, format.kwargs, tools)
+    elif tools:
+        raise UserError(
+            "tools need the model's Jinja template (llama.cpp's built-in formats cannot "
+            "describe them); drop --no-jinja, or name a Jinja template file"
+        )
+    else:
+        text = _render_builtin(model, template, turns)
+    return text + (prefill or "")
+
+
+def _render_builtin(model: Model, template: str, turns: list[Message]) -> str:
     text = apply_chat_template(template, [(m.role, m.content) for m in turns], True)
     if text is None:
         raise UserError(
-            f"llama.cpp does not recognise the chat template of {model.path.name} (it does not "
-            "run Jinja, it only knows its built-in formats); name the format with "
-            "--chat-template, or drop --chat and format the prompt yourself"
+            f"llama.cpp does not recognise the chat template of {model.path.name} (with "
+            "--no-jinja it knows only its built-in formats); drop --no-jinja, name the format "
+            "with --chat-template, or drop --chat and format the prompt yourself"
         )
-    return text + (prefill or "")
+    return text
+
+
+def _render_jinja(
+    model: Model,
+    template: str,
+    turns: list[Message],
+    kwargs: dict[str, Any],
+    tools: list[dict[str, Any]] | None,
+) -> str:
+    bos, eos = model.token_text(model.bos), model.token_text(model.eos)
+    return render_jinja(template, turns, bos_token=bos, eos_token=eos, kwargs=kwargs, tools=tools)
+
+
+def render_jinja(
+    template: str,
+    turns: list[Message],
+    *,
+    bos_token: str = "",
+    eos_token: str = "",
+    kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """The template run as Jinja. A template without a system role (it raises, or leaves
+    the system message out) gets it at the start of the first user turn instead, as
+    llama-server does."""
+    special = {"bos_token": bos_token, "eos_token": eos_token, "extra": kwargs, "tools": tools}
+    merged = _system_in_first_user_turn(turns)
+    try:
+        text = jinja.render(template, [m.as_dict() for m in turns], **special)
+    except jinja.TemplateRaised:
+        if merged is None:
+            raise
+        return jinja.render(template, [m.as_dict() for m in merged], **special)
+    if merged is not None and turns[0].content.strip() not in text:
+        return jinja.render(template, [m.as_dict() for m in merged], **special)
+    return text
+
+
+def _system_in_first_user_turn(turns: list[Message]) -> list[Message] | None:
+    if len(turns) < 2 or turns[0].role != "system" or turns[1].role != "user":
+        return None
+    first = Message("user", f"{turns[0].content}\n{turns[1].content}")
+    return [first, *turns[2:]]
 
 
 def chat_tokens(model: Model, text: str) -> list[int]:

@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
-from specdec_cli.models.chat import Message, messages_from
+from specdec_cli.models.chat import ChatFormat, Message, messages_from
 
 MAX_STOPS = 16
 MAX_K = 256  # a draft length beyond this is never useful, and is refused
@@ -40,7 +41,11 @@ class ServeOptions:
     # MiB of host memory for slots' caches that new prompts displaced (llama-server's
     # --cache-ram, and its default); 0: none.
     cache_ram: int = 8192
-    chat_template: str | None = None  # as --chat-template; None: the model's own
+    # --chat-template, --jinja, ...; by default the model's own template, as Jinja
+    chat: ChatFormat = field(default_factory=ChatFormat)
+    # Thinking (<think>...</think>) as reasoning_content ("deepseek", what llama-server's
+    # "auto" does for these models), or left in the content ("none").
+    reasoning_format: str = "deepseek"
 
 
 class ApiError(Exception):
@@ -96,6 +101,25 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     speculation: Speculation = field(default_factory=Speculation)
+    # Chat: the functions the model may call, and how ("auto", "none", "required", or
+    # "function": the one named); the parser keeps one call where parallel is False.
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: str = "auto"
+    tool_name: str | None = None
+    parallel_tool_calls: bool = True
+    # Variables for the chat template, over the server's --chat-template-kwargs
+    # (llama-server's field, e.g. {"enable_thinking": false})
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def offered_tools(self) -> list[dict[str, Any]]:
+        """The tools the chat template gets: none for "none", only the named one for a
+        named choice. ("required" is passed on as it is: decoding is not constrained,
+        the template and the model decide.)"""
+        if self.tool_choice == "none":
+            return []
+        if self.tool_choice == "function":
+            return [t for t in self.tools if t["function"]["name"] == self.tool_name]
+        return list(self.tools)
 
 
 def parse_body(data: bytes) -> dict[str, object]:
@@ -135,7 +159,17 @@ def parse_request(
         speculation=_speculation(body),
     )
     if chat:
-        return replace(request, messages=_messages(body))
+        tools = _tools(body)
+        choice, name = _tool_choice(body, tools)
+        return replace(
+            request,
+            messages=_messages(body),
+            tools=tools,
+            tool_choice=choice,
+            tool_name=name,
+            parallel_tool_calls=_optional(body, "parallel_tool_calls", bool) is not False,
+            template_kwargs=_optional(body, "chat_template_kwargs", dict) or {},
+        )
     text, tokens = _prompt(body)
     return replace(request, text=text, tokens=tokens)
 
@@ -148,9 +182,12 @@ def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
     best_of = _optional(body, "best_of", int)
     if best_of is not None and best_of != 1:
         raise ApiError("best_of > 1 is not supported", param="best_of")
-    for name in ("tools", "functions", "logit_bias"):
+    for name in ("functions", "logit_bias"):
         if body.get(name):
-            raise ApiError(f"{name} is not supported by specdec serve", param=name)
+            hint = " (send tools)" if name == "functions" else ""
+            raise ApiError(f"{name} is not supported by specdec serve{hint}", param=name)
+    if not chat and body.get("tools"):
+        raise ApiError("tools need /v1/chat/completions", param="tools")
     if body.get("logprobs") or body.get("top_logprobs"):
         raise ApiError("logprobs are not supported by specdec serve", param="logprobs")
     if body.get("echo"):
@@ -249,6 +286,51 @@ def _tree(tree: object) -> str | None:
             param="speculative",
         )
     return str(tree)
+
+
+TOOL_SHAPE = '{"type": "function", "function": {"name", "description", "parameters"}}'
+
+
+def _tools(body: dict[str, object]) -> tuple[dict[str, Any], ...]:
+    tools = body.get("tools")
+    if tools is None:
+        return ()
+    if not isinstance(tools, list):
+        raise ApiError(f"tools must be a list of {TOOL_SHAPE}", param="tools")
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (
+            isinstance(tool, dict)
+            and tool.get("type", "function") == "function"
+            and isinstance(function, dict)
+            and isinstance(function.get("name"), str)
+        ):
+            raise ApiError(f"tools[{i}] is not {TOOL_SHAPE}", param="tools")
+    return tuple(tools)
+
+
+def _tool_choice(
+    body: dict[str, object], tools: tuple[dict[str, Any], ...]
+) -> tuple[str, str | None]:
+    """("auto" | "none" | "required", None), or ("function", the name to call)."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return "auto", None
+    if choice in ("auto", "none", "required"):
+        if choice == "required" and not tools:
+            raise ApiError('tool_choice "required" needs tools', param="tool_choice")
+        return str(choice), None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(
+            'tool_choice must be "auto", "none", "required" or {"type": "function", '
+            '"function": {"name": NAME}}',
+            param="tool_choice",
+        )
+    if name not in {t["function"]["name"] for t in tools}:
+        raise ApiError(f"tool_choice names {name!r}, which is not in tools", param="tool_choice")
+    return "function", name
 
 
 def _messages(body: dict[str, object]) -> tuple[Message, ...]:

@@ -63,6 +63,9 @@ from specdec_cli.serve.api import (
     parse_body,
     parse_request,
 )
+from specdec_cli.serve.reasoning import ThinkingSplitter, opens_thinking
+from specdec_cli.serve.reply import Part, ReplyParser
+from specdec_cli.serve.toolcalls import ToolCallParser, format_for
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -115,6 +118,8 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # A chat reply's thinking, answer and tool calls, parted (None: the text as it is)
+    reply: ReplyParser | None = None
     # Events from the worker not yet handed over. A round's tokens come microseconds
     # apart: waking the event loop once for all of them, not once each, keeps its
     # thread from taking the GIL from the decode loop over and over.
@@ -157,7 +162,7 @@ class Service:
         self.stopping = threading.Event()  # shutting down: generations end now
         self.metrics = Metrics()
         self._decoders: dict[tuple[Speculation, int], Decoder] = {}
-        self.chat_template = options.chat_template  # None: the model's own
+        self.chat_format = options.chat
         # Why requests get 503 while there is no engine (loading, or a worker away).
         self.unavailable = "the model is loading"
         self.listening: socket.socket | None = None  # what a restart keeps (see worker_lost)
@@ -173,9 +178,9 @@ class Service:
         engine = Engine(self.engine_options, notify=note)
         for message in engine.warnings:
             warn(message)
-        if self.chat_template is None and engine.model.chat_template() is None:
+        if self.chat_format.template is None and engine.model.chat_template() is None:
             # Chat clients (Open WebUI) use nothing but the chat endpoint.
-            self.chat_template = FALLBACK_CHAT_TEMPLATE
+            self.chat_format = replace(self.chat_format, template=FALLBACK_CHAT_TEMPLATE)
             warn(
                 f"{engine.model.path.name} has no chat template: chat requests are formatted "
                 f"as {FALLBACK_CHAT_TEMPLATE}, as llama-server does; name its format with "
@@ -358,13 +363,32 @@ class Service:
         self.admitted -= 1
         self.metrics.record(stats)
 
+    def reply_parser(self, request: GenerationRequest, prompt: list[int]) -> ReplyParser:
+        """How a chat reply is parted: thinking (unless --reasoning-format none; open
+        already where the prompt's template opened it), and tool calls in the format of
+        the template, when the request offers tools."""
+        assert self.engine is not None
+        model = self.engine.model
+        thinking = None
+        if self.options.reasoning_format != "none":
+            opened = opens_thinking("".join(map(model.token_text, prompt[-4:])))
+            thinking = ThinkingSplitter(opened)
+        tools = None
+        if request.offered_tools():
+            template = self.chat_format.template or model.chat_template() or ""
+            tools = ToolCallParser(format_for(template), request.parallel_tool_calls)
+        return ReplyParser(thinking, tools)
+
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The request's prompt as tokens, checked against the context (in a helper thread:
         llama.cpp's tokenizer only reads the vocabulary)."""
         assert self.engine is not None
         model = self.engine.model
         if request.messages is not None:
-            tokens = self.engine.tokenize_messages(list(request.messages), self.chat_template)
+            messages, tools = list(request.messages), request.offered_tools()
+            kwargs = self.chat_format.kwargs | request.template_kwargs
+            format = replace(self.chat_format, kwargs=kwargs)
+            tokens = self.engine.tokenize_messages(messages, format, tools)
         elif request.tokens is not None:
             tokens = list(request.tokens)
             if not all(0 <= t < model.n_vocab for t in tokens):
@@ -510,20 +534,34 @@ class Endpoint:
     def new_id(self) -> str:
         return ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
 
-    def choice(self, text: str, finish: str) -> dict[str, object]:
-        if self.chat:
-            message = {"role": "assistant", "content": text}
-            return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-
-    def delta(self, text: str | None, finish: str | None = None) -> dict[str, object]:
-        """A streamed choice; for chat, `text` None opens the assistant's message."""
+    def choice(self, reply: Part, finish: str) -> dict[str, object]:
         if not self.chat:
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
-        if text is None and finish is None:
-            delta: dict[str, str] = {"role": "assistant", "content": ""}
-        else:
-            delta = {"content": text} if text else {}
+            return {"index": 0, "text": reply.content, "logprobs": None, "finish_reason": finish}
+        # OpenAI's content is null beside tool calls when there is no text
+        content = reply.content if reply.content or not reply.calls else None
+        message: dict[str, object] = {"role": "assistant", "content": content}
+        if reply.reasoning:
+            message["reasoning_content"] = reply.reasoning
+        if reply.calls:
+            message["tool_calls"] = [call.to_dict() for call in reply.calls]
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+
+    def delta(self, part: Part | None, finish: str | None = None) -> dict[str, object]:
+        """A streamed choice; for chat, `part` None opens the assistant's message. Thinking
+        goes in delta.reasoning_content (as llama-server sends it), calls whole in
+        delta.tool_calls (each with its index, as OpenAI's clients assemble them)."""
+        if not self.chat:
+            text = part.content if part else ""
+            return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        delta: dict[str, object] = {"role": "assistant", "content": ""}
+        if part is not None:
+            delta = {"content": part.content} if part.content else {}
+            if part.reasoning:
+                delta["reasoning_content"] = part.reasoning
+            if part.calls:
+                delta["tool_calls"] = [
+                    {"index": i, **call.to_dict()} for i, call in enumerate(part.calls)
+                ]
         return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
 
 
@@ -677,7 +715,10 @@ class Api:
             prompt = await asyncio.to_thread(service.prompt_tokens, parsed)
         except UserError as err:  # a chat template llama.cpp does not know, say
             raise ApiError(str(err)) from None
-        return service.admit(parsed, prompt)
+        job = service.admit(parsed, prompt)
+        if endpoint.chat:
+            job.reply = service.reply_parser(parsed, prompt)
+        return job
 
     async def _watch_disconnect(self, request: Request, job: Job) -> None:
         """Stop the generation when its client goes away (the body is read already, so
@@ -703,13 +744,17 @@ class Api:
         end = batch[-1]
         if isinstance(end, Failed):
             return error_response(_as_api_error(end.error))
+        reply = Part("".join(parts))
+        if job.reply is not None:
+            reply = job.reply.feed(reply.content) + job.reply.finish()
+        finish = "tool_calls" if reply.calls else finish_reason(end.stats)
         return JSONResponse(
             {
                 "id": endpoint.new_id(),
                 "object": endpoint.object,
                 "created": int(time.time()),
                 "model": self.service.model_name,
-                "choices": [endpoint.choice("".join(parts), finish_reason(end.stats))],
+                "choices": [endpoint.choice(reply, finish)],
                 "usage": usage(end.stats),
                 "timings": timings(end.stats),
             }
@@ -737,13 +782,21 @@ class Api:
                         "draft_n_accepted": chunk.accepted,
                         "predicted_n": chunk.tokens,
                     }
-                    choice = endpoint.delta(chunk.piece.text)
-                    yield sse({**head, "choices": [choice], "specdec": figures})
+                    part = Part(chunk.piece.text)
+                    if job.reply is not None:
+                        part = job.reply.feed(part.content)
+                    if part:
+                        choice = endpoint.delta(part)
+                        yield sse({**head, "choices": [choice], "specdec": figures})
             end = batch[-1]
             if isinstance(end, Failed):
                 yield sse(_as_api_error(end.error).body())
             else:
-                last = endpoint.delta("", finish_reason(end.stats))
+                held = job.reply.finish() if job.reply is not None else Part()
+                if held:
+                    yield sse({**head, "choices": [endpoint.delta(held)]})
+                finish = "tool_calls" if held.calls else finish_reason(end.stats)
+                last = endpoint.delta(Part(), finish=finish)
                 yield sse({**head, "choices": [last], "timings": timings(end.stats)})
                 if job.request.include_usage:
                     yield sse({**head, "choices": [], "usage": usage(end.stats)})

@@ -1,0 +1,152 @@
+"""Tool calls in a model's reply, in the formats llama-server parses, chosen from the
+chat template as llama-server chooses:
+
+- Hermes / Qwen: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, repeatable;
+- Mistral: `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]`;
+- Llama 3.x: the reply is `{"name": ..., "parameters": {...}}`, or follows `<|python_tag|>`;
+- generic (any other template): the reply is JSON, `{"tool_call": {...}}`,
+  `{"tool_calls": [...]}` or a call itself.
+
+The reply's text arrives in pieces. Text before a call streams as content; from the
+first sign of a call (its marker, or a reply that starts with "{") the rest is held and
+parsed when the reply ends. A reply that held text but holds no valid call is content
+after all: nothing the model wrote is dropped. The parser only reads the text, so
+speculation goes on as ever.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
+_MARKERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", LLAMA3: "<|python_tag|>"}
+_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+
+def format_for(template: str) -> str:
+    """The call format a chat template's model writes, by the template's markers."""
+    if "<tool_call>" in template:
+        return HERMES
+    if "[TOOL_CALLS]" in template:
+        return MISTRAL
+    if "<|python_tag|>" in template or "<|start_header_id|>" in template:
+        return LLAMA3
+    return GENERIC
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+    id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass
+class Parsed:
+    content: str = ""
+    calls: list[ToolCall] = field(default_factory=list)
+
+
+class ToolCallParser:
+    """Feed the reply as it comes: `feed` returns the content that may be shown now;
+    `finish` the rest of the content and the calls."""
+
+    def __init__(self, kind: str, parallel: bool = True) -> None:
+        self.kind, self.parallel = kind, parallel
+        self.marker = _MARKERS.get(kind)
+        self.seen = ""  # all text so far
+        self.shown = 0  # how much of it went out as content
+        self.holding = False  # a call may have begun: hold the rest until the end
+
+    def feed(self, text: str) -> str:
+        self.seen += text
+        if self.holding:
+            return ""
+        start = self._call_start()
+        if start is not None:
+            self.holding = True
+            return self._show(start)
+        return self._show(len(self.seen) - self._maybe_starting())
+
+    def finish(self) -> Parsed:
+        rest = self.seen[self.shown :]
+        calls = self._parse(rest) if self.holding else []
+        if not calls:
+            return Parsed(rest)
+        if not self.parallel:
+            calls = calls[:1]
+        return Parsed(_outside_calls(self.kind, rest), calls)
+
+    def _show(self, end: int) -> str:
+        out, self.shown = self.seen[self.shown : end], max(self.shown, end)
+        return out
+
+    def _call_start(self) -> int | None:
+        """Where a call begins in the text so far, if it does."""
+        if self.marker and self.marker in self.seen:
+            return self.seen.index(self.marker)
+        if self.kind in (LLAMA3, GENERIC) and self.seen.lstrip().startswith("{"):
+            return 0
+        return None
+
+    def _maybe_starting(self) -> int:
+        """How many characters at the end could still begin a call (held back)."""
+        if self.kind in (LLAMA3, GENERIC) and not self.seen.strip():
+            return len(self.seen)  # nothing but white space yet: a JSON reply may follow
+        if not self.marker:
+            return 0
+        for n in range(min(len(self.marker) - 1, len(self.seen)), 0, -1):
+            if self.marker.startswith(self.seen[-n:]):
+                return n
+        return 0
+
+    def _parse(self, text: str) -> list[ToolCall]:
+        if self.kind == HERMES:
+            return [c for body in _HERMES_CALL.findall(text) for c in _calls(_json(body))]
+        if self.kind == MISTRAL:
+            return _calls(_json(text.split("[TOOL_CALLS]", 1)[1]))
+        body = text.split("<|python_tag|>", 1)[1] if "<|python_tag|>" in text else text
+        return _calls(_json(body))
+
+
+def _outside_calls(kind: str, text: str) -> str:
+    """The content a reply with calls keeps: for Hermes, what lies between the calls."""
+    return _HERMES_CALL.sub("", text).strip() if kind == HERMES else ""
+
+
+def _json(text: str) -> Any:
+    try:
+        return json.loads(text.strip())
+    except ValueError:
+        return None
+
+
+def _calls(value: Any) -> list[ToolCall]:
+    """Calls from parsed JSON: one call, a list of calls, or {"tool_call(s)": ...}."""
+    if isinstance(value, dict) and "tool_calls" in value:
+        value = value["tool_calls"]
+    elif isinstance(value, dict) and "tool_call" in value:
+        value = value["tool_call"]
+    items = value if isinstance(value, list) else [value]
+    calls = []
+    for item in items:
+        if isinstance(item, dict) and isinstance(item.get("function"), dict):
+            item = item["function"]  # OpenAI's own shape, as some models echo it
+        if not (isinstance(item, dict) and isinstance(item.get("name"), str)):
+            return []  # not calls after all: the text is content
+        arguments = item.get("arguments", item.get("parameters", {}))
+        if not isinstance(arguments, str):
+            arguments = json.dumps(arguments, ensure_ascii=False)
+        calls.append(ToolCall(item["name"], arguments))
+    return calls
