@@ -36,13 +36,10 @@ from specdec_cli.commands.display import (
 )
 from specdec_cli.commands.options import (
     MODEL_HELP,
-    ChatTemplateFileOpt,
-    ChatTemplateKwargsOpt,
-    ChatTemplateOpt,
     ConfigOpt,
     DraftsOpt,
     EngineFlags,
-    JinjaOpt,
+    FlagValues,
     JsonOpt,
     MinPOpt,
     ModelOpt,
@@ -61,6 +58,7 @@ from specdec_cli.commands.options import (
     only_given,
     shared_options,
     split_drafts,
+    takes_chat_flags,
     takes_engine_flags,
     temp_option,
 )
@@ -138,6 +136,7 @@ def _main_options(
 
 @app.command()
 @takes_engine_flags
+@takes_chat_flags
 def run(
     model: Annotated[
         str | None,
@@ -223,10 +222,6 @@ def run(
             "ends with an assistant message, the reply continues it.",
         ),
     ] = None,
-    chat_template: ChatTemplateOpt = None,
-    chat_template_file: ChatTemplateFileOpt = None,
-    jinja: JinjaOpt = True,
-    chat_template_kwargs: ChatTemplateKwargsOpt = None,
     verbose_prompt: VerbosePromptOpt = False,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
@@ -245,6 +240,7 @@ def run(
     ] = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
+    chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
     as_json: Annotated[
         bool,
         typer.Option(
@@ -295,8 +291,7 @@ def run(
     if prompts is not None and (prompt is not None or file is not None):
         raise UserError("--prompts runs its own prompts; drop -p / -f")
     # The input first: a typo there must not wait for models to load (or download).
-    chat_format_ = chat_format(chat_template, chat_template_file, jinja, chat_template_kwargs)
-    chat_opts = chat_options(chat, system, messages, prompt, chat_format_)
+    chat_opts = chat_options(chat, system, messages, prompt, chat_format(**chat_flags))
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
     options, defaults = engine_options(
         model, draft or [], config, k=k, tree=tree, **shared_options(locals())
@@ -499,6 +494,7 @@ def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path 
 
 @app.command()
 @takes_engine_flags
+@takes_chat_flags
 def serve(
     model: ModelOpt,
     draft: DraftsOpt = None,
@@ -590,10 +586,6 @@ def serve(
             ),
         ),
     ] = None,
-    chat_template: ChatTemplateOpt = None,
-    chat_template_file: ChatTemplateFileOpt = None,
-    jinja: JinjaOpt = True,
-    chat_template_kwargs: ChatTemplateKwargsOpt = None,
     reasoning_format: Annotated[
         ReasoningFormat | None,
         typer.Option(
@@ -612,6 +604,7 @@ def serve(
     min_p: MinPOpt = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
+    chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -650,7 +643,7 @@ def serve(
         if reasoning_format
         else None,
     )
-    given["chat"] = chat_format(chat_template, chat_template_file, jinja, chat_template_kwargs)
+    given["chat"] = chat_format(**chat_flags)
     serve_options = ServeOptions(**given)
     run_server(replace(options, parallel=serve_options.parallel), serve_options)
 

@@ -431,33 +431,54 @@ ENGINE_FLAGS = {
     "ngram_min": NgramMinOpt,
     "ngram_max": NgramMaxOpt,
 }
-EngineFlags = dict[str, Any]  # ENGINE_FLAGS' names and the values given (None: not given)
+FlagValues = dict[str, Any]  # a flag group's names and the values given
+EngineFlags = FlagValues  # ENGINE_FLAGS' (None: not given)
 
 
-def takes_engine_flags(command: Callable[..., None]) -> Callable[..., None]:
-    """Give a command the ENGINE_FLAGS options, where its parameter `engine_flags` stands,
-    and hand their values to it in that one parameter.
+def flag_group(
+    parameter: str, flags: dict[str, Any], defaults: dict[str, Any] | None = None
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A decorator that gives a command the `flags` options where its parameter
+    `parameter` stands, and hands their values to it in that one parameter (a dict).
 
     typer reads a command's options from its signature: this writes them into the
-    signature it sees, so that they are declared once for every command."""
-    signature = inspect.signature(command, eval_str=True)
-    parameters = []
-    for parameter in signature.parameters.values():
-        if parameter.name != "engine_flags":
-            parameters.append(parameter)
-            continue
-        parameters += [
-            inspect.Parameter(name, parameter.kind, default=None, annotation=option)
-            for name, option in ENGINE_FLAGS.items()
-        ]
+    signature it sees, so that they are declared once for every command. `defaults`:
+    the flags' defaults where not None."""
+    defaults = defaults or {}
 
-    @functools.wraps(command)
-    def with_engine_flags(**args: Any) -> None:
-        flags = {name: args.pop(name) for name in ENGINE_FLAGS}
-        command(**args, engine_flags=flags)
+    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(command, eval_str=True)
+        parameters = []
+        for p in signature.parameters.values():
+            if p.name != parameter:
+                parameters.append(p)
+                continue
+            parameters += [
+                inspect.Parameter(name, p.kind, default=defaults.get(name), annotation=option)
+                for name, option in flags.items()
+            ]
 
-    with_engine_flags.__signature__ = signature.replace(parameters=parameters)
-    return with_engine_flags
+        @functools.wraps(command)
+        def with_flags(**args: Any) -> None:
+            values = {name: args.pop(name) for name in flags}
+            command(**args, **{parameter: values})
+
+        with_flags.__signature__ = signature.replace(parameters=parameters)
+        return with_flags
+
+    return decorate
+
+
+# -c, -b, -t, -ngl, -fa, ...: for every command that loads models
+takes_engine_flags = flag_group("engine_flags", ENGINE_FLAGS)
+# The chat template: for every command that formats chats (run, serve)
+CHAT_FLAGS = {
+    "chat_template": ChatTemplateOpt,
+    "chat_template_file": ChatTemplateFileOpt,
+    "jinja": JinjaOpt,
+    "chat_template_kwargs": ChatTemplateKwargsOpt,
+}
+takes_chat_flags = flag_group("chat_flags", CHAT_FLAGS, {"jinja": True})
 
 
 def engine_options(

@@ -101,19 +101,23 @@ def chat_options(
 
 
 def chat_format(
-    template: str | None, template_file: str | None, use_jinja: bool, kwargs: str | None
+    chat_template: str | None = None,
+    chat_template_file: str | None = None,
+    jinja: bool = True,
+    chat_template_kwargs: str | None = None,
 ) -> ChatFormat:
     """--chat-template, --chat-template-file, --jinja/--no-jinja and
-    --chat-template-kwargs, read and checked."""
-    if template is not None and template_file is not None:
+    --chat-template-kwargs (commands.options.CHAT_FLAGS), read and checked."""
+    if chat_template is not None and chat_template_file is not None:
         raise UserError("--chat-template and --chat-template-file name two templates; keep one")
-    if template_file is not None:
-        if not use_jinja:
+    if chat_template_file is not None:
+        if not jinja:
             raise UserError("--chat-template-file is a Jinja template; drop --no-jinja")
-        text = _read_template(Path(template_file), "--chat-template-file")
+        text = _read_template(Path(chat_template_file), "--chat-template-file")
     else:
-        text = template_override(template, use_jinja) if template is not None else None
-    return ChatFormat(text, use_jinja, parse_template_kwargs(kwargs) if kwargs else {})
+        text = template_override(chat_template, jinja) if chat_template is not None else None
+    kwargs = parse_template_kwargs(chat_template_kwargs) if chat_template_kwargs else {}
+    return ChatFormat(text, jinja, kwargs)
 
 
 def parse_template_kwargs(text: str) -> dict[str, Any]:
