@@ -627,18 +627,24 @@ def _embeddings(
 
 
 def scripted_model(
-    path: Path, pieces: Sequence[str], script: Mapping[str, str], template: str
+    path: Path,
+    pieces: Sequence[str],
+    script: Mapping[str, str],
+    template: str,
+    controls: Sequence[str] = (),
 ) -> Path:
     """A model that says what it is told: its next token depends on the current one
     only (one-hot embeddings; attention and feed-forward add nothing), as `script` maps
     a token's text to the next one's; every other token is followed by EOS. `pieces`
     join the synthetic vocabulary as user-defined tokens, read and written whole, and
+    `controls` as control tokens (which llama.cpp writes as nothing unless asked);
     `template` is its chat template. F32: its greedy text does not depend on batches."""
     base = spm_vocab()
+    kinds = [TokenType.CONTROL if p in controls else TokenType.USER_DEFINED for p in pieces]
     vocab = Vocab(
         base.tokens + list(pieces),
         base.scores + [0.0] * len(pieces),
-        base.types + [int(TokenType.USER_DEFINED)] * len(pieces),
+        base.types + [int(kind) for kind in kinds],
     )
     n_embd = -(-len(vocab) // 64) * 64  # a dimension of its own for every token
     hp = HParams(n_embd=n_embd, n_layer=1, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)

@@ -125,7 +125,9 @@ WEATHER = {
 @pytest.fixture(scope="module")
 def tool_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("tools") / "scripted.gguf"
-    return scripted_model(path, PIECES, SCRIPT, TEMPLATE)
+    # The call's markers are control tokens, as Llama's <|python_tag|> and Mistral's
+    # [TOOL_CALLS] are: the reply must keep their text for the parser to see the call.
+    return scripted_model(path, PIECES, SCRIPT, TEMPLATE, controls=["<tool_call>", "</tool_call>"])
 
 
 @pytest.fixture(scope="module")

@@ -29,9 +29,15 @@ class Piece:
 class PieceStream:
     """One generation's rounds in, its pieces out, up to the first stop string."""
 
-    def __init__(self, model: Model, stop: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model: Model, stop: tuple[str, ...] = (), shown: frozenset[int] = frozenset()
+    ) -> None:
+        """`shown`: control tokens whose text the reply keeps (a tool call's marker, such
+        as Llama 3's <|python_tag|>, for the parser); other control tokens show nothing,
+        as in llama.cpp."""
         self.model = model
         self.text = TextStream(stop)
+        self.shown = shown
 
     @property
     def stopped(self) -> bool:
@@ -42,7 +48,10 @@ class PieceStream:
         """A round's pieces, one per token, up to the one that completes a stop string."""
         pieces = []
         for i, token in enumerate(new.tokens):
-            text = self.text.push(self.model.piece(token))
+            piece = self.model.piece(token)
+            if token in self.shown:
+                piece = self.model.token_text(token).encode()
+            text = self.text.push(piece)
             pieces.append(Piece(text, token, new.source if i < new.n_drafted else TARGET))
             if self.text.stopped:
                 break

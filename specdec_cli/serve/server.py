@@ -55,6 +55,7 @@ from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.llamacpp.llama import Model
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
@@ -63,9 +64,9 @@ from specdec_cli.serve.api import (
     parse_body,
     parse_request,
 )
-from specdec_cli.serve.reasoning import ThinkingSplitter, opens_thinking
+from specdec_cli.serve.reasoning import END, START, ThinkingSplitter, opens_thinking
 from specdec_cli.serve.reply import Part, ReplyParser
-from specdec_cli.serve.toolcalls import ToolCallParser, format_for
+from specdec_cli.serve.toolcalls import MARKER_TEXTS, ToolCallParser, format_for
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -118,8 +119,10 @@ class Job:
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
     events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # A chat reply's thinking, answer and tool calls, parted (None: the text as it is)
+    # A chat reply's thinking, answer and tool calls, parted (None: the text as it is),
+    # and the control tokens whose text that needs (see PieceStream)
     reply: ReplyParser | None = None
+    shown: frozenset[int] = frozenset()
     # Events from the worker not yet handed over. A round's tokens come microseconds
     # apart: waking the event loop once for all of them, not once each, keeps its
     # thread from taking the GIL from the decode loop over and over.
@@ -277,7 +280,7 @@ class Service:
 
         return Task(
             generation,
-            PieceStream(self.engine.model, request.stop),
+            PieceStream(self.engine.model, request.stop, job.shown),
             emit,
             lambda stats, error: self._done(job, stats, error),
             lambda: job.cancelled.is_set() or self.stopping.is_set(),
@@ -339,7 +342,13 @@ class Service:
 
     # In the event loop.
 
-    def admit(self, request: GenerationRequest, prompt: list[int]) -> Job:
+    def admit(
+        self,
+        request: GenerationRequest,
+        prompt: list[int],
+        reply: ReplyParser | None = None,
+        shown: frozenset[int] = frozenset(),
+    ) -> Job:
         """Queue a generation, or refuse it (503, Retry-After) when the queue is full."""
         if self.admitted >= self.engine_options.parallel + self.options.queue:
             self.metrics.rejected += 1
@@ -351,7 +360,8 @@ class Service:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
         seed = request.seed if request.seed is not None else int(np.random.SeedSequence().entropy)
-        job = Job(request, prompt, seed % 2**64, asyncio.get_running_loop())
+        loop = asyncio.get_running_loop()
+        job = Job(request, prompt, seed % 2**64, loop, reply=reply, shown=shown)
         self.admitted += 1
         with self.wake:
             self.waiting.append(job)
@@ -363,21 +373,24 @@ class Service:
         self.admitted -= 1
         self.metrics.record(stats)
 
-    def reply_parser(self, request: GenerationRequest, prompt: list[int]) -> ReplyParser:
+    def reply_parser(
+        self, request: GenerationRequest, prompt: list[int]
+    ) -> tuple[ReplyParser, set[int]]:
         """How a chat reply is parted: thinking (unless --reasoning-format none; open
         already where the prompt's template opened it), and tool calls in the format of
-        the template, when the request offers tools."""
+        the template, when the request offers tools. And the marker tokens the parts
+        need to see in the text."""
         assert self.engine is not None
         model = self.engine.model
-        thinking = None
+        thinking, tools, markers = None, None, []
         if self.options.reasoning_format != "none":
             opened = opens_thinking("".join(map(model.token_text, prompt[-4:])))
-            thinking = ThinkingSplitter(opened)
-        tools = None
+            thinking, markers = ThinkingSplitter(opened), [START, END]
         if request.offered_tools():
-            template = self.chat_format.template or model.chat_template() or ""
-            tools = ToolCallParser(format_for(template), request.parallel_tool_calls)
-        return ReplyParser(thinking, tools)
+            kind = format_for(self.chat_format.template or model.chat_template() or "")
+            tools = ToolCallParser(kind, request.parallel_tool_calls)
+            markers += MARKER_TEXTS[kind]
+        return ReplyParser(thinking, tools), {t for m in markers for t in _single_token(model, m)}
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The request's prompt as tokens, checked against the context (in a helper thread:
@@ -715,10 +728,8 @@ class Api:
             prompt = await asyncio.to_thread(service.prompt_tokens, parsed)
         except UserError as err:  # a chat template llama.cpp does not know, say
             raise ApiError(str(err)) from None
-        job = service.admit(parsed, prompt)
-        if endpoint.chat:
-            job.reply = service.reply_parser(parsed, prompt)
-        return job
+        reply, shown = service.reply_parser(parsed, prompt) if endpoint.chat else (None, set())
+        return service.admit(parsed, prompt, reply, frozenset(shown))
 
     async def _watch_disconnect(self, request: Request, job: Job) -> None:
         """Stop the generation when its client goes away (the body is read already, so
@@ -804,6 +815,12 @@ class Api:
         finally:
             job.cancelled.set()  # the client went away mid-stream, or all is sent
             watcher.cancel()
+
+
+def _single_token(model: Model, text: str) -> list[int]:
+    """The token that is `text` in this vocabulary, if one is ([] if it takes several)."""
+    tokens = model.tokenize(text, add_special=False, parse_special=True)
+    return tokens if len(tokens) == 1 else []
 
 
 def merge_runs(batch: list[Event]) -> Iterator[Chunk]:

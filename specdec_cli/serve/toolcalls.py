@@ -24,6 +24,10 @@ from typing import Any
 
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
 _MARKERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", LLAMA3: "<|python_tag|>"}
+# The texts a reply in each format must keep, though they may be control tokens
+# (which llama.cpp otherwise writes as nothing).
+MARKER_TEXTS = {HERMES: ("<tool_call>", "</tool_call>"), MISTRAL: ("[TOOL_CALLS]",),
+                LLAMA3: ("<|python_tag|>",), GENERIC: ()}  # fmt: skip
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 
