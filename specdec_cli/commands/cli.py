@@ -94,7 +94,7 @@ def _print_version(value: bool) -> None:
         from specdec_cli.llamacpp.backend import backend_names
 
         backends = ", ".join(backend_names())
-        remote = "built in" if "RPC" in backend_names() else "not built in (see the README)"
+        remote = "built in" if rpc.built_in() else "not built in (see the README)"
         print(
             f"specdec {__version__} (llama-cpp-python {binding}; llama.cpp backends: "
             f"{backends}; RPC: {remote})"
@@ -639,9 +639,7 @@ def serve(
         parallel=parallel,
         cache_ram=cache_ram,
         queue=queue,
-        reasoning_format=reasoning_format.value.replace("auto", "deepseek")
-        if reasoning_format
-        else None,
+        reasoning_format=reasoning_format.value if reasoning_format else None,
     )
     given["chat"] = chat_format(**chat_flags)
     serve_options = ServeOptions(**given)

@@ -48,9 +48,8 @@ class PieceStream:
         """A round's pieces, one per token, up to the one that completes a stop string."""
         pieces = []
         for i, token in enumerate(new.tokens):
-            piece = self.model.piece(token)
-            if token in self.shown:
-                piece = self.model.token_text(token).encode()
+            shown = token in self.shown
+            piece = self.model.token_text(token).encode() if shown else self.model.piece(token)
             text = self.text.push(piece)
             pieces.append(Piece(text, token, new.source if i < new.n_drafted else TARGET))
             if self.text.stopped:

@@ -12,6 +12,15 @@ import codecs
 from collections.abc import Sequence
 
 
+def tail_starting(text: str, marker: str) -> int:
+    """How many characters at the end of `text` could begin `marker`: text to hold back
+    while a marker (a stop string, a tag) may be arriving cut in two."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
 class TextStream:
     def __init__(self, stop: Sequence[str] = ()) -> None:
         self.stop = [s for s in stop if s]
@@ -46,13 +55,7 @@ class TextStream:
 
     def _held_back(self) -> int:
         """Length of the longest tail of the pending text that starts a stop string."""
-        longest = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(self._pending)), longest, -1):
-                if self._pending.endswith(s[:n]):
-                    longest = n
-                    break
-        return longest
+        return max((tail_starting(self._pending, s) for s in self.stop), default=0)
 
     def _release(self, n: int) -> str:
         out, self._pending = self._pending[:n], self._pending[n:]

@@ -14,6 +14,7 @@ import ctypes
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import llama_cpp.llama_cpp as llama_cpp
@@ -157,15 +158,11 @@ class Model:
         return list(buf[:n])
 
     def piece(self, token: int) -> bytes:
-        """The bytes a token stands for (possibly part of a UTF-8 character). Cached."""
+        """The bytes a token stands for (possibly part of a UTF-8 character); a control
+        token stands for none, as llama.cpp writes text. Cached."""
         cached = self._pieces.get(token)
         if cached is None:
-            buf = ctypes.create_string_buffer(64)
-            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, False)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, False)
-            cached = self._pieces[token] = buf.raw[:n]
+            cached = self._pieces[token] = self._token_to_piece(token, special=False)
         return cached
 
     def token_text(self, token: int) -> str:
@@ -173,9 +170,15 @@ class Model:
         chat template calls bos_token and eos_token. "" for no token (-1)."""
         if token < 0:
             return ""
-        buf = ctypes.create_string_buffer(256)
-        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 256, 0, True)
-        return buf.raw[: max(n, 0)].decode(errors="replace")
+        return self._token_to_piece(token, special=True).decode(errors="replace")
+
+    def _token_to_piece(self, token: int, special: bool) -> bytes:
+        buf = ctypes.create_string_buffer(64)
+        n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, 64, 0, special)
+        if n < 0:  # too small: -n is the size needed
+            buf = ctypes.create_string_buffer(-n)
+            n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, -n, 0, special)
+        return buf.raw[:n]
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
@@ -205,12 +208,14 @@ def read_vocab(path: Path) -> VocabInfo:
         model.close()
 
 
-def builtin_chat_templates() -> list[str]:
-    """The names of the chat formats llama.cpp implements itself (chatml, llama3, gemma...)."""
+@cache
+def builtin_chat_templates() -> tuple[str, ...]:
+    """The names of the chat formats llama.cpp implements itself (chatml, llama3, gemma...):
+    fixed for a build, asked once (every chat prompt checks its template against them)."""
     n = llama_cpp.llama_chat_builtin_templates(None, 0)
     names = (ctypes.c_char_p * n)()
     llama_cpp.llama_chat_builtin_templates(names, n)
-    return [name.decode() for name in names]
+    return tuple(name.decode() for name in names)
 
 
 def apply_chat_template(

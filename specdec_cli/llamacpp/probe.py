@@ -167,12 +167,12 @@ def choose_repack(asked: bool | None) -> tuple[bool, str | None]:
     if not machine.advertises_amx(machine.cpu_flags(), backend.system_info()):
         return True, None
     result, fresh = cached_verdict()
-    if result.survived:
-        return True, None
+    if result.survived or not fresh:
+        return result.survived, None
     return False, (
         f"llama.cpp's repacked (AMX) kernels crash on this CPU (a test run {result.detail}): "
         "running with --no-repack from now on; pass --repack to force them"
-    ) if fresh else None
+    )
 
 
 if __name__ == "__main__":

@@ -16,13 +16,13 @@ import os
 import socket
 import struct
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from specdec_cli.errors import UserError
+from specdec_cli.listening import listen
 from specdec_cli.llamacpp import backend
 
 DEFAULT_HOST = "127.0.0.1"
@@ -219,11 +219,6 @@ def exit_with(line: str, code: int = 1) -> None:
     os._exit(code)
 
 
-def park_forever() -> None:
-    """Block ggml's thread for good (the process goes on without that connection)."""
-    threading.Event().wait()
-
-
 # --- specdec worker --------------------------------------------------------------------
 
 
@@ -257,20 +252,6 @@ def tensor_cache_dir() -> Path:
     return Path(xdg or Path.home() / ".cache") / "llama.cpp" / "rpc"
 
 
-def check_port(host: str, port: int) -> None:
-    """A taken port or an unknown address, said in one line before ggml would only print
-    "Failed to create server socket"."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        with socket.socket(family, kind, proto) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(address)
-    except OSError as err:
-        raise UserError(
-            f"cannot listen on {host}:{port}: {err.strerror or err}; choose another -p or -H"
-        ) from None
-
-
 def worker_devices(names: str | None) -> list[backend.Device]:
     """-d's devices, or as rpc-server picks them: the GPUs, else the CPU."""
     if names:
@@ -285,7 +266,7 @@ def serve_worker(
 ) -> None:
     """Run ggml's RPC server until the process is stopped (it never returns otherwise)."""
     start = _rpc_function("ggml_backend_rpc_start_server", _start_server)
-    check_port(host, port)
+    listen(host, port, "-p or -H").close()  # in one line, before ggml would fail
     cache_dir = None
     if cache:
         tensor_cache_dir().mkdir(parents=True, exist_ok=True)

@@ -360,16 +360,19 @@ def render_jinja(
     the system message out) gets it at the start of the first user turn instead, as
     llama-server does."""
     special = {"bos_token": bos_token, "eos_token": eos_token, "extra": kwargs, "tools": tools}
+
+    def run(messages: list[Message]) -> str:
+        return jinja.render(template, [m.as_dict() for m in messages], **special)
+
     merged = _system_in_first_user_turn(turns)
     try:
-        text = jinja.render(template, [m.as_dict() for m in turns], **special)
+        text = run(turns)
     except jinja.TemplateRaised:
         if merged is None:
             raise
-        return jinja.render(template, [m.as_dict() for m in merged], **special)
-    if merged is not None and turns[0].content.strip() not in text:
-        return jinja.render(template, [m.as_dict() for m in merged], **special)
-    return text
+        return run(merged)
+    takes_system = merged is None or turns[0].content.strip() in text
+    return text if takes_system else run(merged)
 
 
 def _system_in_first_user_turn(turns: list[Message]) -> list[Message] | None:

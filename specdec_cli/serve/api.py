@@ -43,8 +43,8 @@ class ServeOptions:
     cache_ram: int = 8192
     # --chat-template, --jinja, ...; by default the model's own template, as Jinja
     chat: ChatFormat = field(default_factory=ChatFormat)
-    # Thinking (<think>...</think>) as reasoning_content ("deepseek", what llama-server's
-    # "auto" does for these models), or left in the content ("none").
+    # Thinking (<think>...</think>) as reasoning_content ("deepseek", and "auto": what
+    # llama-server's auto does for these models), or left in the content ("none").
     reasoning_format: str = "deepseek"
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec_cli.decoding.textstream import tail_starting
+
 START, END = "<think>", "</think>"
 
 
@@ -47,7 +49,7 @@ class ThinkingSplitter:
             elif self.state == "thinking":
                 end = self.held.find(END)
                 if end < 0:
-                    keep = _partial_marker(self.held, END)
+                    keep = tail_starting(self.held, END)
                     out.reasoning += self.held[: len(self.held) - keep]
                     self.held = self.held[len(self.held) - keep :]
                     break
@@ -68,14 +70,6 @@ class ThinkingSplitter:
         if self.state == "thinking":
             return Split(reasoning=held)
         return Split(content=held)
-
-
-def _partial_marker(text: str, marker: str) -> int:
-    """How many characters at the end of `text` could begin `marker`."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def opens_thinking(prompt: str) -> bool:

@@ -54,8 +54,8 @@ from specdec_cli.decoding.scheduler import Counters, PromptCache, Scheduler, Tas
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
+from specdec_cli.listening import listen
 from specdec_cli.llamacpp import rpc
-from specdec_cli.llamacpp.llama import Model
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
@@ -165,6 +165,7 @@ class Service:
         self.stopping = threading.Event()  # shutting down: generations end now
         self.metrics = Metrics()
         self._decoders: dict[tuple[Speculation, int], Decoder] = {}
+        self._marker_tokens: dict[str, list[int]] = {}  # see _marker_token
         self.chat_format = options.chat
         # Why requests get 503 while there is no engine (loading, or a worker away).
         self.unavailable = "the model is loading"
@@ -390,7 +391,16 @@ class Service:
             kind = format_for(self.chat_format.template or model.chat_template() or "")
             tools = ToolCallParser(kind, request.parallel_tool_calls)
             markers += MARKER_TEXTS[kind]
-        return ReplyParser(thinking, tools), {t for m in markers for t in _single_token(model, m)}
+        return ReplyParser(thinking, tools), {t for m in markers for t in self._marker_token(m)}
+
+    def _marker_token(self, text: str) -> list[int]:
+        """The token that is `text` in the target's vocabulary, if one is ([] if it takes
+        several); asked once per marker, not per request."""
+        if text not in self._marker_tokens:
+            assert self.engine is not None
+            tokens = self.engine.model.tokenize(text, add_special=False, parse_special=True)
+            self._marker_tokens[text] = tokens if len(tokens) == 1 else []
+        return self._marker_tokens[text]
 
     def prompt_tokens(self, request: GenerationRequest) -> list[int]:
         """The request's prompt as tokens, checked against the context (in a helper thread:
@@ -817,12 +827,6 @@ class Api:
             watcher.cancel()
 
 
-def _single_token(model: Model, text: str) -> list[int]:
-    """The token that is `text` in this vocabulary, if one is ([] if it takes several)."""
-    tokens = model.tokenize(text, add_special=False, parse_special=True)
-    return tokens if len(tokens) == 1 else []
-
-
 def merge_runs(batch: list[Event]) -> Iterator[Chunk]:
     """Consecutive chunks from the same source as one (text joined, latest figures)."""
     run: Chunk | None = None
@@ -898,21 +902,6 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def listen(host: str, port: int) -> socket.socket:
-    """The listening socket, bound before any model loads: a taken port is said at once."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as err:
-        raise UserError(
-            f"cannot listen on {host}:{port}: {err.strerror or err}; choose another --port "
-            "or --host"
-        ) from None
-    return sock
-
-
 def restart_on(sock: socket.socket) -> None:
     """Start this server process over, keeping its listening socket (so that clients
     get 503, not a refused connection, while it waits for its workers)."""
@@ -928,7 +917,7 @@ def listening_socket(options: ServeOptions) -> socket.socket:
     fd = os.environ.pop(LISTEN_FD_ENV, None)
     if fd is not None:
         return socket.socket(fileno=int(fd))
-    return listen(options.host, options.port)
+    return listen(options.host, options.port, "--port or --host")
 
 
 def serve(engine_options: EngineOptions, options: ServeOptions) -> None:

@@ -22,6 +22,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec_cli.decoding.textstream import tail_starting
+
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
 _MARKERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", LLAMA3: "<|python_tag|>"}
 # The texts a reply in each format must keep, though they may be control tokens
@@ -68,23 +70,33 @@ class ToolCallParser:
 
     def __init__(self, kind: str, parallel: bool = True) -> None:
         self.kind, self.parallel = kind, parallel
-        self.marker = _MARKERS.get(kind)
-        self.seen = ""  # all text so far
-        self.shown = 0  # how much of it went out as content
+        self.marker = _MARKERS.get(kind, "")
+        # JSON formats: whether the reply begins with "{" (None: only white space so far)
+        self.json_reply: bool | None = None if kind in (LLAMA3, GENERIC) else False
+        self.pending = ""  # not shown yet: what may begin a call, or a call's text
         self.holding = False  # a call may have begun: hold the rest until the end
 
     def feed(self, text: str) -> str:
-        self.seen += text
+        """Only the text not shown yet is looked at: a piece's work does not grow with the
+        reply."""
+        self.pending += text
         if self.holding:
             return ""
-        start = self._call_start()
-        if start is not None:
+        if self.json_reply is None:
+            start = self.pending.lstrip()[:1]
+            if not start:
+                return ""  # nothing but white space yet: a JSON reply may follow
+            self.json_reply = self.holding = start == "{"
+            if self.holding:
+                return ""
+        at = self.pending.find(self.marker) if self.marker else -1
+        if at >= 0:
             self.holding = True
-            return self._show(start)
-        return self._show(len(self.seen) - self._maybe_starting())
+            return self._show(at)
+        return self._show(len(self.pending) - tail_starting(self.pending, self.marker))
 
     def finish(self) -> Parsed:
-        rest = self.seen[self.shown :]
+        rest, self.pending = self.pending, ""
         calls = self._parse(rest) if self.holding else []
         if not calls:
             return Parsed(rest)
@@ -93,27 +105,8 @@ class ToolCallParser:
         return Parsed(_outside_calls(self.kind, rest), calls)
 
     def _show(self, end: int) -> str:
-        out, self.shown = self.seen[self.shown : end], max(self.shown, end)
+        out, self.pending = self.pending[:end], self.pending[end:]
         return out
-
-    def _call_start(self) -> int | None:
-        """Where a call begins in the text so far, if it does."""
-        if self.marker and self.marker in self.seen:
-            return self.seen.index(self.marker)
-        if self.kind in (LLAMA3, GENERIC) and self.seen.lstrip().startswith("{"):
-            return 0
-        return None
-
-    def _maybe_starting(self) -> int:
-        """How many characters at the end could still begin a call (held back)."""
-        if self.kind in (LLAMA3, GENERIC) and not self.seen.strip():
-            return len(self.seen)  # nothing but white space yet: a JSON reply may follow
-        if not self.marker:
-            return 0
-        for n in range(min(len(self.marker) - 1, len(self.seen)), 0, -1):
-            if self.marker.startswith(self.seen[-n:]):
-                return n
-        return 0
 
     def _parse(self, text: str) -> list[ToolCall]:
         if self.kind == HERMES:
