@@ -272,7 +272,7 @@ def main() -> None:
         drafter: Drafter = NgramDrafter()
         if not lookup:  # the draft model, translated where its vocabulary is another
             assert engine.draft_ctx is not None
-            drafter = engine.model_drafter(engine.draft_ctx)
+            drafter = engine.policy.model_drafter(engine.draft_ctx)
         replay = Replay(drafter, texts)
         results = {name: judge(replay, name, costs) for name, costs in curves.items()}
     print(

@@ -19,10 +19,17 @@ from test_decode import N_FIRST, SAMPLING, contingency, generate, open_engine
 from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
 
+from specdec_cli.decoding.drafters import Draft, merge_into_tree
 from specdec_cli.decoding.draftlength import AutoLength
 from specdec_cli.decoding.policy import TRANSLATED_PRIOR
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.decoding.translate import SharedVocab, bytes_per_token, tokens_after, whole_text
+from specdec_cli.decoding.translate import (
+    SharedVocab,
+    bytes_per_token,
+    leaf_paths,
+    tokens_after,
+    whole_text,
+)
 from specdec_cli.llamacpp.llama import Model
 from specdec_cli.models.chat import ChatFormat, ChatOptions
 
@@ -254,18 +261,33 @@ def test_tli_without_renormalising_is_caught(
     assert differs(half_shared_baseline, sample) < 1e-6
 
 
-def test_real_pair_gemma_drafted_by_stories260k(gemma3: Path, stories260k: Path) -> None:
+@pytest.mark.parametrize("tree", ["off", "8"])
+def test_real_pair_gemma_drafted_by_stories260k(gemma3: Path, stories260k: Path, tree: str) -> None:
     """Two real models, neither ours, of two tokenizers (Gemma's 262k and stories260K's
     512-token SentencePiece), writing the same kind of story: each emitted token is the
     target's argmax within the batch-shape tolerance of one pass (see test_real_model),
-    and the draft's translated guesses are taken."""
+    and the draft's translated guesses are taken. With a tree, the draft's other paths
+    are translated too, and the target takes some of them where the first was wrong."""
     prompt = "Once upon a time, there was a little girl named Lily. She"
-    with open_engine(gemma3, stories260k, 4, n_ctx=512, tree="off") as engine:
+    with open_engine(gemma3, stories260k, 4, n_ctx=512, tree=tree) as engine:
         tokens = engine.tokenize(prompt)
-        out, stats = generate(engine, 64, decoder=engine.make_decoder("model", "4"), prompt=tokens)
+        decoder = engine.make_decoder("model", "4", tree)
+        out, stats = generate(engine, 64, decoder=decoder, prompt=tokens)
         gaps = argmax_gaps(engine.model, tokens, out)
     assert max(gaps) <= TIE_TOLERANCE and sum(g > 0 for g in gaps) <= MOST_TIES
     assert stats.accepted > 0 and stats.tokens_per_pass > 1.3
+    assert (stats.accepted_beside > 0) == (tree != "off")
+
+
+def test_a_draft_trees_paths_primary_first() -> None:
+    """Each root-to-leaf path of a draft tree is translated on its own: the primary path
+    (first children) first, so that it stays the merged tree's primary path."""
+    tree = Draft(tokens=[10, 11, 12, 13, 14], parents=[-1, -1, 0, 0, 2])
+    assert leaf_paths(tree) == [[10, 12, 14], [11], [10, 13]]
+    assert leaf_paths(Draft(tokens=[5, 6])) == [[5, 6]]
+    merged = Draft()
+    merge_into_tree(merged, [[20, 22], [21], [20, 23]], 8)
+    assert merged.primary_path() == [20, 22] and merged.parents == [-1, 0, -1, 0]
 
 
 def test_each_model_reads_a_chat_in_its_own_format(shuffled: Path, stories260k: Path) -> None:

@@ -129,16 +129,26 @@ class Decoder:
         return policies[0][1], None, 0
 
     def verify(
-        self, draft: Draft, rng: np.random.Generator, sampling: SamplingParams
+        self,
+        draft: Draft,
+        rng: np.random.Generator,
+        sampling: SamplingParams,
+        chances: list[float] | None = None,
     ) -> tuple[list[int], int]:
         """The accepted path (draft indices) and the next token. Row 0 of the target's
-        logits follows the context, row j + 1 draft token j."""
+        logits follows the context, row j + 1 draft token j. `chances`: see
+        verify_tree_sampled (sampling only)."""
         logits = self.target.logits
         parents = draft.parent_list()
         if sampling.greedy:
             return verify_tree_greedy(draft.tokens, parents, lambda i: int(np.argmax(logits(i))))
         return verify_tree_sampled(
-            draft.tokens, parents, draft.dists, lambda i: distribution(logits(i), sampling), rng
+            draft.tokens,
+            parents,
+            draft.dists,
+            lambda i: distribution(logits(i), sampling),
+            rng,
+            chances,
         )
 
 
@@ -359,7 +369,9 @@ class Generation:
         decoder, target, stats, draft = self.decoder, self.decoder.target, self.stats, self.draft
         plan = self._plan
         assert plan is not None
-        path, next_token = decoder.verify(draft, self.rng, self.sampling)
+        # A sampled chain's chances of acceptance teach -k auto more than its luck does.
+        chances: list[float] | None = [] if draft.parents is None else None
+        path, next_token = decoder.verify(draft, self.rng, self.sampling, chances)
         n_accepted = len(path)
         beside = draft.beside_primary(path)  # a chain would have missed these
         # Keep the accepted path, drop the rest (its last token is in batch place
@@ -377,7 +389,13 @@ class Generation:
             draft_seconds = verify_seconds = other_seconds = None
         if plan.chosen:
             plan.length.observe(
-                draft, n_accepted, draft_seconds, verify_seconds, other_seconds, beside=beside
+                draft,
+                n_accepted,
+                draft_seconds,
+                verify_seconds,
+                other_seconds,
+                beside=beside,
+                chances=chances or (),
             )
             if decoder.tree:
                 decoder.tree.observe(draft, path)

@@ -526,13 +526,13 @@ class NgramDrafter:
             draft.tokens = self.followed(tokens, ends, k)
         elif ends:
             continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
-            _merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
+            merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
         return draft
 
 
-def _merge_into_tree(draft: Draft, continuations: list[list[int]], n_max: int) -> None:
+def merge_into_tree(draft: Draft, continuations: list[list[int]], n_max: int) -> None:
     """The continuations as one tree (a trie: a shared start is one path), in order, up
     to n_max tokens. One continuation, or several alike, stay a chain."""
     parents: list[int] = []

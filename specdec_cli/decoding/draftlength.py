@@ -14,7 +14,7 @@ probability at that point.
 from __future__ import annotations
 
 from bisect import bisect
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
@@ -42,9 +42,11 @@ class DraftLength(Protocol):
         verify_seconds: float | None,
         other_seconds: float | None = None,
         beside: int = 0,
+        chances: Sequence[float] = (),
     ) -> None:
         """`accepted`: the draft tokens the target took; `beside`: how many of them lie
-        on a tree's branches, past where its path left the primary path."""
+        on a tree's branches, past where its path left the primary path; `chances`:
+        of a sampled chain, each tested token's chance of acceptance (sampling.overlap)."""
         ...
 
 
@@ -74,6 +76,7 @@ class FixedLength:
         verify_seconds: float | None,
         other_seconds: float | None = None,
         beside: int = 0,
+        chances: Sequence[float] = (),
     ) -> None:
         pass
 
@@ -114,13 +117,15 @@ class PositionAcceptance:
 
     # The prior weighs as much as this many rounds while evidence builds up: less, and
     # a few early misses send a fresh run to k=1 for a while.
-    PRIOR_ROUNDS = 3
+    PRIOR_ROUNDS = 2
 
     def __init__(self, n: int, prior: float, decay: float) -> None:
         self.prior, self.decay = prior, decay
         self.accept = [prior] * n  # the running estimate per draft position
         self.weight = [0.0] * n  # how recent the evidence behind each estimate is
-        self.tested = [0] * n  # rounds that tested each position
+        # How many rounds each estimate is a mean of (the prior's to start), forgotten
+        # as the text moves on.
+        self.evidence = [float(self.PRIOR_ROUNDS)] * n
         self._undrafted = 0  # rounds the policy chose not to draft since the last drafted
 
     def estimates(self, n: int) -> list[float]:
@@ -132,22 +137,35 @@ class PositionAcceptance:
             out.append(previous)
         return out
 
-    def record(self, drafted: int, accepted: int, planned: bool) -> None:
+    def record(
+        self, drafted: int, accepted: int, planned: bool, chances: Sequence[float] = ()
+    ) -> None:
         """A round's draft of `drafted` tokens, of which the first `accepted` were taken
         (tokens up to the first rejection were tested, the ones after it were not).
-        `planned`: the policy chose to draft this round."""
+        `planned`: the policy chose to draft this round. `chances`: where sampling knew
+        them, the chance each tested token had of being accepted (sampling.overlap), learnt
+        instead of whether it was: the same mean, without the luck of one draw."""
+        moved = self._undrafted + 1  # rounds that moved the text on since the last test
         fresh = self._weight_of_this_round(drafted, planned)
         tested = min(drafted, accepted + 1)
+        if not drafted:
+            return
+        # What the rounds before showed is as stale as the text has moved since: after
+        # a stretch without drafts, what a probe finds must be confirmed by the rounds
+        # after it (a lucky probe that brought drafting back is undone in a round or
+        # two, not in the many that a long-run average would take).
+        stale = self.decay ** (moved - 1)
         for i in range(len(self.accept)):
+            self.evidence[i] *= stale
             if i < tested:
-                hit = 1.0 if i < accepted else 0.0
-                # A plain mean over the first rounds (with the prior), so that the
-                # start is quick; a decayed one once there are enough.
-                self.tested[i] += 1
-                step = max(fresh, 1.0 / (self.tested[i] + self.PRIOR_ROUNDS))
+                hit = chances[i] if i < len(chances) else float(i < accepted)
+                # A plain mean over the evidence (and the prior), so that the start is
+                # quick; a decayed one once there is enough.
+                step = max(fresh, 1.0 / (self.decay * self.evidence[i] + 1.0))
                 self.accept[i] += step * (hit - self.accept[i])
                 self.weight[i] += step * (1.0 - self.weight[i])
-            elif drafted:  # drafted, but not this far: the evidence is a round older
+                self.evidence[i] = 1.0 / step
+            else:  # drafted, but not this far: the evidence is a round older
                 self.weight[i] *= self.decay
 
     def _weight_of_this_round(self, drafted: int, planned: bool) -> float:
@@ -428,6 +446,7 @@ class AutoLength:
         verify_seconds: float | None,
         other_seconds: float | None = None,
         beside: int = 0,
+        chances: Sequence[float] = (),
     ) -> None:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
@@ -445,7 +464,7 @@ class AutoLength:
         if draft.parents is None:  # a tree's confidences are per node, not position
             for i, confidence in enumerate(draft.confidences[: min(n, chain + 1)]):
                 self.calibration.record(confidence, i < chain)
-        self.positions.record(n, chain, planned=self._plan > 0)
+        self.positions.record(n, chain, self._plan > 0, chances)
 
     def _after_probe(self, n: int, accepted: int) -> None:
         if self._probing:

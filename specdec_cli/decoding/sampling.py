@@ -449,6 +449,7 @@ def verify_tree_sampled(
     dists: Sequence[Dist],
     target_dist: Callable[[int], Dist],
     rng: np.random.Generator,
+    chances: list[float] | None = None,
 ) -> tuple[list[int], int]:
     """Multi-candidate speculative sampling over a draft tree: the result is distributed
     exactly as sampling the target token by token.
@@ -463,17 +464,30 @@ def verify_tree_sampled(
 
     A chain (`chain_parents`) takes one `rng.random()` per tried token and one sample,
     as the chain verifier always did, so a seed gives the same text either way.
-    Returns (the accepted nodes, root to leaf; the next token).
+    Returns (the accepted nodes, root to leaf; the next token). `chances`, if given,
+    gets for each row on the path the chance its first child had of being accepted.
     """
     kids = _children(parents, tokens, dists)
     path: list[int] = []
     row = 0
     while True:
-        node, p = _accept_child(kids[row], tokens, dists, target_dist(row), rng)
+        p = target_dist(row)
+        if chances is not None and kids[row]:
+            chances.append(overlap(p, dists[kids[row][0]]))
+        node, p = _accept_child(kids[row], tokens, dists, p, rng)
         if node is None:
             return path, p.sample(rng)
         path.append(node)
         row = node + 1
+
+
+def overlap(p: Dist, q: Dist) -> float:
+    """sum(min(p, q)): the chance that a token drawn from q is accepted where the target
+    gives p. Known at every tested row, it says how good the draft is without the luck
+    of one draw (a learner of acceptance that counts accepted tokens needs many rounds
+    to tell a lucky draft from a good one)."""
+    small, large = (p, q) if len(p.ids) <= len(q.ids) else (q, p)
+    return float(np.minimum(small.probs, large.probs_at(small.ids)).sum())
 
 
 def _accept_child(

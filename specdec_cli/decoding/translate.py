@@ -22,12 +22,19 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 
-from specdec_cli.decoding.drafters import Draft, KeepDrafting, ModelDrafter, TreeShape
+from specdec_cli.decoding.drafters import (
+    Draft,
+    KeepDrafting,
+    ModelDrafter,
+    TreeShape,
+    merge_into_tree,
+)
 from specdec_cli.decoding.sampling import Dist, SamplingParams
 from specdec_cli.llamacpp import costcache
 from specdec_cli.llamacpp.llama import Model
@@ -213,8 +220,9 @@ def _continues_a_character(piece: bytes) -> bool:
 
 class TranslatedDrafter:
     """A draft model with its own vocabulary, drafting for the target in the target's
-    tokens (see the module's docstring). A chain when greedy; when sampling, a chain or
-    the tree a shape allows, all of its tokens shared ones."""
+    tokens (see the module's docstring): a chain, or the tree a shape allows. Greedy,
+    each of the draft's paths is translated and the translations merged into one tree;
+    sampling, every token is a shared one."""
 
     name = ModelDrafter.name
 
@@ -260,7 +268,7 @@ class TranslatedDrafter:
         if room < 1 or not sequence:
             return Draft(source=self.name)
         if self.sampling.greedy:
-            return self._string_match(tokens, sequence, k, room, rng, keep_drafting)
+            return self._string_match(tokens, sequence, k, room, rng, keep_drafting, shape)
         draft = self.model.propose(sequence, min(k, room), rng, keep_drafting, shape)
         # Every token drawn is a shared one: the same text, one target token each.
         shared = self.translation.shared
@@ -276,25 +284,48 @@ class TranslatedDrafter:
         room: int,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None,
+        shape: TreeShape | None,
     ) -> Draft:
         """SLEM: enough draft tokens for k + 1 target ones, their text tokenized by the
         target after its last tokens; the last is dropped (the draft's text may end
-        inside a target token: "sa" of "sat"), and at most k kept. The draft's own end
-        of text and control tokens end its text: they stand for none."""
-        wanted = math.ceil((k + 1) * self._target_bytes / self._draft_bytes)
-        ours = self.model.propose(sequence, max(1, min(wanted, 4 * k, room)), rng, keep_drafting)
+        inside a target token: "sa" of "sat"), and at most k kept.
+
+        With a tree shape, the draft grows a tree of its own tokens (as many more nodes
+        as its tokens are shorter) and each of its paths, root to leaf, is translated
+        so: where two paths' texts part, so do their translations (a trie, the primary
+        path first), up to the shape's nodes."""
+        per_token = self._target_bytes / self._draft_bytes  # draft tokens a target token
+        depth = max(1, min(math.ceil((k + 1) * per_token), 4 * k, room))
+        n_max, ours_shape = k, None
+        if shape is not None and not shape.is_chain:
+            # Batch costs are the target's, in its tokens: the tree is cut to the shape's
+            # nodes after translation, not by the draft.
+            n_max, nodes = shape.nodes, min(room, math.ceil(shape.nodes * per_token))
+            ours_shape = replace(shape, nodes=nodes, verify=(), draft_call=0.0)
+        ours = self.model.propose(sequence, depth, rng, keep_drafting, ours_shape)
+        texts = [self._text(path) for path in leaf_paths(ours)]
+        primary, n_spelled = texts[0]
+        if n_spelled:
+            self._draft_bytes += 0.1 * (len(primary) / n_spelled - self._draft_bytes)
+        target = self.translation.target
+        translations = []
+        for text, _ in texts:
+            translated = tokens_after(target, tokens, first_valid_text(text))
+            translations.append(translated[1][:-1][:k] if translated else [])
+        draft = Draft(calls=ours.calls, source=self.name)
+        merge_into_tree(draft, translations, n_max)
+        return draft
+
+    def _text(self, path: list[int]) -> tuple[bytes, int]:
+        """A path of draft tokens as text, and how many tokens spell it: the draft's own
+        end of text and control tokens end its text (they stand for none)."""
         texts = []
-        for token in ours.tokens:
+        for token in path:
             piece = self.translation.draft_text(token)
             if piece is None:
                 break
             texts.append(piece)
-        text = b"".join(texts)
-        if texts:
-            self._draft_bytes += 0.1 * (len(text) / len(texts) - self._draft_bytes)
-        translated = tokens_after(self.translation.target, tokens, first_valid_text(text))
-        theirs = translated[1][:-1][:k] if translated else []
-        return Draft(tokens=theirs, calls=ours.calls, source=self.name)
+        return b"".join(texts), len(texts)
 
     def _follow(self, tokens: list[int]) -> list[int]:
         """The draft's own tokens for the prompt and the text the target accepted,
@@ -318,6 +349,25 @@ class TranslatedDrafter:
             self._sequence += fresh
             self._pending = self._pending[used:]
         return self._sequence
+
+
+def leaf_paths(draft: Draft) -> list[list[int]]:
+    """A draft's tokens root to leaf, one list per leaf: its primary path first."""
+    if draft.parents is None:
+        return [draft.tokens]
+    parents = draft.parents
+    inner = set(parents)
+    leaves = [i for i in range(len(parents)) if i not in inner]
+    primary = draft.primary_nodes()
+    leaves.sort(key=lambda leaf: leaf != primary[-1])  # (a tree has a primary path)
+    paths = []
+    for leaf in leaves:
+        path, node = [], leaf
+        while node >= 0:
+            path.append(draft.tokens[node])
+            node = parents[node]
+        paths.append(path[::-1])
+    return paths
 
 
 class Translation:
