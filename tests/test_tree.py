@@ -177,6 +177,9 @@ def test_auto_tree_pauses_after_trees_that_did_not_pay() -> None:
     assert offered(9, chain) == [False] * 8 + [True]
     assert offered(17, tree) == [False] * 16 + [True]
     assert offered(3, tree) == [True] * 3
+    # A translated tree whose alternatives merged into its primary path is no cut.
+    lost = Draft([1, 2, 3], calls=3, alternatives_lost=True)
+    assert offered(3, lost) == [True] * 3
 
 
 def knee_costs(flat_to: int) -> Costs:

@@ -32,6 +32,9 @@ class Draft:
     source: str = ""
     # Each token's parent (its index; -1: the last accepted token). None: a chain.
     parents: list[int] | None = None
+    # A chain only because the alternatives the drafter grew were lost on the way (a
+    # translated tree whose paths spell the same target tokens), not because none paid.
+    alternatives_lost: bool = False
 
     def parent_list(self) -> list[int]:
         if self.parents is None:

@@ -314,6 +314,9 @@ class TranslatedDrafter:
             translations.append(translated[1][:-1][:k] if translated else [])
         draft = Draft(calls=ours.calls, source=self.name)
         merge_into_tree(draft, translations, n_max)
+        # An alternative deep in the draft's tree lies past the k target tokens a path
+        # keeps, or in the dropped last one: then its path spells the primary's tokens.
+        draft.alternatives_lost = ours.parents is not None and draft.parents is None
         return draft
 
     def _text(self, path: list[int]) -> tuple[bytes, int]:

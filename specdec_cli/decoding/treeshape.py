@@ -119,7 +119,8 @@ class AutoTree:
     DECAY = 0.93  # per round, for the running rate
     # A round whose tree was cut back to a chain (nothing beside it paid) pauses trees
     # for PROBE_GAP rounds, doubling up to MAX_PROBE_GAP while that goes on: growing a
-    # tree is work (draft calls over several branches, per-node probabilities).
+    # tree is work (draft calls over several branches, per-node probabilities). A chain
+    # whose alternatives were lost in translation says nothing of what they pay.
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
 
@@ -198,7 +199,7 @@ class AutoTree:
         cost = draft.calls * costs.draft_over_target + verify_cost(costs.verify, batch)
         self.rate += (1.0 - self.DECAY) * ((len(path) + 1) / cost - self.rate)
         if trying:
-            if draft.parents is None:  # cut back to a chain
+            if draft.parents is None and not draft.alternatives_lost:  # cut back to a chain
                 self._wait, self._gap = self._gap, min(2 * self._gap, self.MAX_PROBE_GAP)
             else:
                 self._gap = self.PROBE_GAP
