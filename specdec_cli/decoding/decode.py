@@ -370,7 +370,8 @@ class Generation:
         plan = self._plan
         assert plan is not None
         # A sampled chain's chances of acceptance teach -k auto more than its luck does.
-        chances: list[float] | None = [] if draft.parents is None else None
+        sampled_chain = not self.sampling.greedy and draft.parents is None
+        chances: list[float] | None = [] if sampled_chain else None
         path, next_token = decoder.verify(draft, self.rng, self.sampling, chances)
         n_accepted = len(path)
         beside = draft.beside_primary(path)  # a chain would have missed these

@@ -144,17 +144,24 @@ class PositionAcceptance:
         (tokens up to the first rejection were tested, the ones after it were not).
         `planned`: the policy chose to draft this round. `chances`: where sampling knew
         them, the chance each tested token had of being accepted (sampling.overlap), learnt
-        instead of whether it was: the same mean, without the luck of one draw."""
-        moved = self._undrafted + 1  # rounds that moved the text on since the last test
-        fresh = self._weight_of_this_round(drafted, planned)
-        tested = min(drafted, accepted + 1)
+        instead of whether it was: the same mean, without the luck of one draw.
+
+        Acceptance follows the text, and rounds the policy chose not to draft move the
+        text on too. So after such rounds, what the rounds before them showed is stale
+        by as much: the first round drafted after them weighs at least as much as they
+        and it would have (without this, probes accepted whole every 8 rounds could not
+        bring drafting back after a hard stretch), and the evidence behind the estimates
+        shrinks, so that the rounds after it weigh as much (a lucky probe that brought
+        drafting back is undone in a round or two, not in the many that a long-run
+        average would take). A drafter that had nothing to offer (a lookup without a
+        match) says nothing of the text: such rounds do not count."""
         if not drafted:
+            self._undrafted += not planned
             return
-        # What the rounds before showed is as stale as the text has moved since: after
-        # a stretch without drafts, what a probe finds must be confirmed by the rounds
-        # after it (a lucky probe that brought drafting back is undone in a round or
-        # two, not in the many that a long-run average would take).
-        stale = self.decay ** (moved - 1)
+        stale = self.decay**self._undrafted
+        self._undrafted = 0
+        fresh = 1.0 - self.decay * stale  # the least weight of what this round tested
+        tested = min(drafted, accepted + 1)
         for i in range(len(self.accept)):
             self.evidence[i] *= stale
             if i < tested:
@@ -167,21 +174,6 @@ class PositionAcceptance:
                 self.evidence[i] = 1.0 / step
             else:  # drafted, but not this far: the evidence is a round older
                 self.weight[i] *= self.decay
-
-    def _weight_of_this_round(self, drafted: int, planned: bool) -> float:
-        """The least weight that what this round tested gets in the estimates.
-
-        Acceptance follows the text, and rounds the policy chose not to draft move the
-        text on too: the first round drafted after them weighs as much as they and it
-        would have. (Without this, probes accepted whole every 8 rounds could not bring
-        drafting back after a hard stretch.) A drafter that had nothing to offer (a
-        lookup without a match) says nothing of the text: such rounds do not count."""
-        weight = 1.0 - self.decay ** (self._undrafted + 1)
-        if drafted:
-            self._undrafted = 0
-        elif not planned:
-            self._undrafted += 1
-        return weight
 
 
 class RoundCosts:

@@ -25,9 +25,8 @@ from typing import Any
 from specdec_cli.decoding.textstream import tail_starting
 
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
-_MARKERS = {HERMES: "<tool_call>", MISTRAL: "[TOOL_CALLS]", LLAMA3: "<|python_tag|>"}
 # The texts a reply in each format must keep, though they may be control tokens
-# (which llama.cpp otherwise writes as nothing).
+# (which llama.cpp otherwise writes as nothing); the first begins a call.
 MARKER_TEXTS = {HERMES: ("<tool_call>", "</tool_call>"), MISTRAL: ("[TOOL_CALLS]",),
                 LLAMA3: ("<|python_tag|>",), GENERIC: ()}  # fmt: skip
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -70,7 +69,7 @@ class ToolCallParser:
 
     def __init__(self, kind: str, parallel: bool = True) -> None:
         self.kind, self.parallel = kind, parallel
-        self.marker = _MARKERS.get(kind, "")
+        self.marker = next(iter(MARKER_TEXTS[kind]), "")  # "" for the generic format
         # JSON formats: whether the reply begins with "{" (None: only white space so far)
         self.json_reply: bool | None = None if kind in (LLAMA3, GENERIC) else False
         self.pending = ""  # not shown yet: what may begin a call, or a call's text
@@ -111,9 +110,9 @@ class ToolCallParser:
     def _parse(self, text: str) -> list[ToolCall]:
         if self.kind == HERMES:
             return [c for body in _HERMES_CALL.findall(text) for c in _calls(_json(body))]
-        if self.kind == MISTRAL:
-            return _calls(_json(text.split("[TOOL_CALLS]", 1)[1]))
-        body = text.split("<|python_tag|>", 1)[1] if "<|python_tag|>" in text else text
+        # Mistral's marker always comes first (it is what started the holding); Llama
+        # 3's may not (a reply that is JSON), nor the generic format's (it has none).
+        body = text.split(self.marker, 1)[1] if self.marker and self.marker in text else text
         return _calls(_json(body))
 
 
