@@ -6,7 +6,7 @@ nothing up to some width. So the design is judged on modelled costs, not timings
 
 Greedy decoding makes the replay exact. The target's greedy text is recorded once per
 built-in prompt (target-only decoding); speculative decoding writes that same text.
-Each policy then runs the real draft model (`ModelDrafter.propose` with the policy's
+Each policy then runs the real draft model (`propose` with the policy's
 draft length and tree shape, fed the accepted tokens as the decode loop feeds it), and
 each round accepts what greedy tree verification would: the longest root path that
 matches the recorded text (the target's argmax after a matching path is the text's
@@ -54,7 +54,7 @@ from replay_draft_length import (  # noqa: E402
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS  # noqa: E402
 from specdec_cli.decoding.costmodel import Costs, verify_cost  # noqa: E402
-from specdec_cli.decoding.drafters import Draft, Drafter, NgramDrafter  # noqa: E402
+from specdec_cli.decoding.drafters import Draft, Drafter, NgramDrafter, propose  # noqa: E402
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
 from specdec_cli.decoding.engine import Engine  # noqa: E402
 from specdec_cli.decoding.sampling import verify_tree_greedy  # noqa: E402
@@ -149,7 +149,7 @@ def simulate(
         k = length.choose(limit)
         shape = tree.shape(k, limit) if tree and k > 0 else None
         tokens = prompt + text[:done]
-        draft = drafter.propose(tokens, k, rng, shape=shape) if k > 0 else Draft()
+        draft = propose(drafter, tokens, k, rng, shape=shape) if k > 0 else Draft()
         path = accepted_path(draft, text[done:])
         length.observe(draft, len(path), None, None, beside=draft.beside_primary(path))
         if tree:

@@ -31,7 +31,7 @@ from scipy.stats import chi2_contingency, chisquare
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import Draft, NgramDrafter
+from specdec_cli.decoding.drafters import Draft, DraftSteps, NgramDrafter
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.policy import VERBATIM_PRIOR
@@ -362,7 +362,10 @@ class WrongDrafter:
     def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
-    def propose(self, tokens: list[int], k: int, rng: np.random.Generator, *_: object) -> Draft:
+    def drafting(
+        self, tokens: list[int], k: int, rng: np.random.Generator, *_: object
+    ) -> DraftSteps:
+        yield from ()
         at = len(tokens) - self.n_prompt
         return Draft([(self.reference[at] + 1) % self.n_vocab] * k, source=self.name)
 

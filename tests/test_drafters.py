@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec_cli.decoding.drafters import Draft, LookupThenModel, NgramDrafter
+from specdec_cli.decoding.drafters import (
+    Draft,
+    DraftSteps,
+    LookupThenModel,
+    NgramDrafter,
+    propose,
+)
 
 RNG = np.random.default_rng(0)
 
@@ -21,7 +27,8 @@ class StandInModel:
     def begin(self, prompt: list[int], sampling=None) -> None:
         pass
 
-    def propose(self, tokens, k, rng, keep_drafting=None, shape=None) -> Draft:
+    def drafting(self, tokens, k, rng, keep_drafting=None, shape=None) -> DraftSteps:
+        yield from ()
         return Draft(tokens=self.guess(tokens)[:k], source=self.name)
 
 
@@ -30,7 +37,7 @@ def test_ngram_proposes_what_followed_the_longest_match() -> None:
     tokens = [1, 2, 3, 4, 9, 2, 3, 5, 6, 2, 3]
     lookup.begin(tokens)
     # [2, 3] last occurred before [5, 6]; [9, 2, 3] never: the 2-gram wins.
-    assert lookup.propose(tokens, 2, RNG).tokens == [5, 6]
+    assert propose(lookup, tokens, 2, RNG).tokens == [5, 6]
 
 
 def sources(drafter: LookupThenModel, text: list[int], start: int, k: int = 3) -> list[str]:
@@ -39,7 +46,7 @@ def sources(drafter: LookupThenModel, text: list[int], start: int, k: int = 3) -
     drafter.begin(text[:start])
     tokens, used = text[:start], []
     while len(tokens) < len(text) - k - 1:
-        draft = drafter.propose(tokens, k, RNG)
+        draft = propose(drafter, tokens, k, RNG)
         truth = text[len(tokens) : len(tokens) + len(draft.tokens) + 1]
         accepted = 0
         while accepted < len(draft.tokens) and draft.tokens[accepted] == truth[accepted]:
@@ -94,7 +101,7 @@ def test_the_lookup_earns_its_turn_in_rounds_no_one_drafts() -> None:
         asked.append(drafter.sources(tokens)[0])
         probe = len(asked) % 8 == 0
         if probe and asked[-1] == "model":  # the probe misses: the target's token only
-            drafter.propose(tokens, 3, RNG)
+            propose(drafter, tokens, 3, RNG)
         tokens = text[: len(tokens) + 1]
     assert asked[0] == "model" and asked[-1] == "ngram"
 
@@ -122,8 +129,8 @@ def test_verbatim_drafts_go_round_the_loop() -> None:
     tokens = list(range(100, 130)) + LOOP * 6 + LOOP[:2]
     lookup.begin(tokens)
     ahead = (LOOP[2:] + LOOP * 3)[:12]
-    assert lookup.propose(tokens, 12, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens == ahead
-    assert lookup.propose(tokens, 12, RNG).tokens == ahead[:5]
+    assert propose(lookup, tokens, 12, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens == ahead
+    assert propose(lookup, tokens, 12, RNG).tokens == ahead[:5]
 
 
 def test_lookup_then_model_offers_a_verbatim_repeat_first() -> None:
@@ -132,6 +139,6 @@ def test_lookup_then_model_offers_a_verbatim_repeat_first() -> None:
     drafter.begin(tokens)
     assert drafter.sources(tokens)[0] == NgramDrafter.VERBATIM_SOURCE
     assert (
-        drafter.propose(tokens, 8, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens
+        propose(drafter, tokens, 8, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens
         == (LOOP * 2)[:8]
     )

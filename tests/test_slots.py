@@ -176,6 +176,44 @@ def test_fit_to_batch_counts_the_other_slots_tokens() -> None:
     assert crowded[0].k == 0
 
 
+def test_fit_to_batch_counts_one_draft_call_a_depth_for_all_slots() -> None:
+    """The slots draft together: four drafts of 4 tokens cost 4 draft calls, not 16.
+    With a draft call at 0.3 of a target pass and verification nearly free, drafting
+    pays; priced as 16 calls, it would be shortened."""
+    costly_draft = Costs(0.01, 0.3, {n: 1.0 + 0.02 * (n - 1) for n in range(1, 66)})
+    plans = [plan(auto(costly_draft), 4) for _ in range(4)]
+    fit_to_batch(plans)
+    assert [p.k for p in plans] == [4, 4, 4, 4]
+
+
+def test_slots_draft_in_one_call_a_depth(
+    target_model: Path, draft_model: Path, moderate_costs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two slots drafting with the draft model (a chain, and a tree) share its decode
+    calls, as their verifications share the target's; each text is still its own."""
+    draft_calls: list[int] = []
+    flush = Context.flush
+
+    def counted(ctx: Context) -> int:
+        n = flush(ctx)
+        if n and ctx.model.path == draft_model:
+            draft_calls.append(n)
+        return n
+
+    monkeypatch.setattr(Context, "flush", counted)
+    with parallel_engine(target_model, draft_model, 2, k=3) as engine:
+        jobs = [
+            Job(engine.make_decoder("model", "3", "off", slot=0), engine.tokenize(PROMPT)),
+            Job(engine.make_decoder("model", "3", "4", slot=1), engine.tokenize(LONG_PROMPT)),
+        ]
+        together = run_together(jobs)
+        taken_part = sum(ctx.decode_calls for ctx in engine.draft_slots if ctx)
+    # Each slot counts the calls it took part in; shared calls are counted by both.
+    assert len(draft_calls) < 0.75 * taken_part
+    for job, tokens in zip(jobs, together, strict=True):
+        assert tokens == alone(target_model, job)
+
+
 def make_task(engine: Engine, slot: int, prompt: list[int], log: list[str]) -> Task:
     decoder = engine.decoders[slot]
     generation = decoder.start(prompt, 8, np.random.default_rng(0), Stats())
@@ -248,6 +286,34 @@ def test_batch_speculation_follows_what_is_measured() -> None:
     assert sum(late2) >= len(late2) * (1 - 1 / every) - block
     assert all(len(set(late4[i : i + block])) == 1 for i in range(0, len(late4), block))
     assert guard.choose(1)
+
+
+def run_guard(guard: BatchSpeculation, n: int, steps: int, loss: float) -> list[bool]:
+    """`steps` choices at n busy slots, drafting measured `loss` slower than none."""
+    modes = []
+    for _ in range(steps):
+        drafting = guard.choose(n)
+        modes.append(drafting)
+        guard.record(n, drafting, 10, 0.01 / (1.0 - loss) if drafting else 0.01)
+    return modes
+
+
+def test_batch_speculation_finds_out_sparingly() -> None:
+    """A new size starts without drafts; the worse mode's blocks come back the rarer
+    the more it loses; and drafting that lost with 2 slots is not tried with 4 until
+    EXPLORE_MOST blocks have passed."""
+    block, most = BatchSpeculation.BLOCK, BatchSpeculation.EXPLORE_MOST
+    explored = {}
+    for loss in (0.04, 0.3):
+        guard = BatchSpeculation()
+        modes = run_guard(guard, 2, 200 * block, loss)
+        assert not any(modes[:block]) and all(modes[block : 2 * block])
+        explored[loss] = sum(modes[2 * block :]) / len(modes[2 * block :])
+    assert explored[0.3] < explored[0.04] <= 1.1 / BatchSpeculation.EXPLORE_EVERY
+    assert explored[0.3] * 0.3 <= 1.1 * BatchSpeculation.EXPLORE_BUDGET  # the time it costs
+    # Drafting lost with 2 slots (the last guard): with 4, no trial block, only exploring.
+    four = run_guard(guard, 4, (most + 2) * block, 0.3)
+    assert not any(four[: most * block]) and any(four)
 
 
 def test_a_step_without_speculation_drops_only_the_drafts_it_may(

@@ -12,7 +12,7 @@ from test_decode import PROMPT, generate, open_engine
 
 from specdec_cli.commands.bench import variants, widest_tree
 from specdec_cli.decoding.costmodel import Costs
-from specdec_cli.decoding.drafters import Draft, NgramDrafter, TreeShape
+from specdec_cli.decoding.drafters import Draft, NgramDrafter, TreeShape, propose
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import parse_tree
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, NodeOdds
@@ -282,13 +282,13 @@ def test_ngram_tree_branches_on_every_continuation() -> None:
     lookup = NgramDrafter(1, 2)
     rng = np.random.default_rng(0)
     lookup.begin(tokens)
-    tree = lookup.propose(tokens, 2, rng, shape=TreeShape(8, 3, 3))
+    tree = propose(lookup, tokens, 2, rng, shape=TreeShape(8, 3, 3))
     assert tree.tokens == [c, g, e, f, d]
     assert tree.parents == [-1, 0, -1, 2, 0]
     lookup.begin(tokens)
-    assert lookup.propose(tokens, 2, rng).tokens == [c, g]
+    assert propose(lookup, tokens, 2, rng).tokens == [c, g]
     lookup.begin(tokens)
-    small = lookup.propose(tokens, 2, rng, shape=TreeShape(3, 3, 3))
+    small = propose(lookup, tokens, 2, rng, shape=TreeShape(3, 3, 3))
     assert small.tokens == [c, g, e] and small.parents == [-1, 0, -1]
 
 

@@ -19,7 +19,7 @@ from typing import cast
 import numpy as np
 
 from specdec_cli.decoding.costmodel import verify_cost
-from specdec_cli.decoding.drafters import Draft, Drafter
+from specdec_cli.decoding.drafters import Draft, Drafter, DraftSteps, draft_together
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.sampling import (
     SamplingParams,
@@ -192,8 +192,11 @@ def step(
         fit_to_batch(plans, read, target.last_call_size)
     for g in generations:
         g.round = None
-    for g, plan in zip(players, plans, strict=True):
-        g.stage_round(plan)
+    # Every slot's draft at once: one draft decode call a depth for them all.
+    drafting = [g.drafting(plan) for g, plan in zip(players, plans, strict=True)]
+    drafts = draft_together(drafting, [g.decoder.drafter.ctx for g in players if g.decoder.drafter])
+    for g, plan, draft in zip(players, plans, drafts, strict=True):
+        g.stage_round(plan, draft)
     room = target.batch_room if budget is None else min(target.batch_room, budget)
     for g in readers:
         room -= g.stage_prompt(room)
@@ -225,7 +228,10 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
 
     def rate(ks: list[int]) -> float:
         tokens = len(others) + sum(gain[k] for gain, k in zip(gains, ks, strict=True))
-        drafting = sum(k * seconds for seconds, k in zip(drafts, ks, strict=True))
+        # The slots draft together (draft_together), one draft call a depth for all of
+        # them: the deepest draft sets the calls, each about one token's cost (a draft
+        # model is small, and a few tokens a call is its flat part).
+        drafting = max(k * seconds for seconds, k in zip(drafts, ks, strict=True))
         batch = fixed + sum(ks)
         passes = verify_cost(costs.verify, batch) + (costs.switch if batch != last_size else 0)
         return tokens / (drafting + passes * costs.target_seconds)
@@ -341,19 +347,20 @@ class Generation:
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
         return Plan(length, source, k, limit, unseen, self._fits)
 
-    def stage_round(self, plan: Plan) -> None:
-        """Draft, and stage the verification batch: the unseen tokens, then the draft."""
-        decoder, target = self.decoder, self.decoder.target
-        tree, k = decoder.tree, plan.k
-        shape = tree.shape(k, plan.limit) if tree and k > 0 else None
+    def drafting(self, plan: Plan) -> DraftSteps | None:
+        """This round's draft, as the plan has it (see draft_together); None: none."""
+        decoder, tree, k = self.decoder, self.decoder.tree, plan.k
+        self._draft_start = _decode_seconds(self._draft_ctx)
+        if not decoder.drafter or k == 0:
+            return None
+        shape = tree.shape(k, plan.limit) if tree else None
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
-        self._draft_start = _decode_seconds(self._draft_ctx)
-        draft = NO_DRAFT
-        if decoder.drafter and k > 0:
-            draft = decoder.drafter.propose(
-                self.tokens, k, self.rng, keep_drafting, shape, plan.source
-            )
+        return decoder.drafter.drafting(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+
+    def stage_round(self, plan: Plan, draft: Draft) -> None:
+        """Stage the verification batch: the unseen tokens, then the draft."""
+        target = self.decoder.target
         self._verify_start = target.decode_seconds
         target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
         # One pass over the unseen tokens and every draft token: row 0 of its

@@ -1,17 +1,22 @@
 """Who proposes tokens. The decode loop verifies them; a drafter only guesses.
 
-Every drafter answers `propose(tokens, k, rng)`: given the whole accepted sequence
+Every drafter answers `drafting(tokens, k, rng)`: given the whole accepted sequence
 (prompt and output so far), up to k guesses for what comes next, with the
 distribution each guess was drawn from when sampling (the acceptance rule needs q).
 With a `shape` wider than a chain, the guesses form a tree: alternatives for the
 same position, all verified in one target pass.
+
+A draft model's round is a generator that stops at each of its decode calls: it
+stages its tokens and yields, and whoever drives it decodes them. Run alone
+(`propose`), each call is its own; run beside other slots' rounds (`draft_together`),
+one call decodes every slot's next draft tokens, as one target call verifies them all.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -104,6 +109,9 @@ class TreeShape:
 
 
 KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft confidence)
+# A drafter's round: it yields whenever it has staged tokens in its draft context for the
+# driver to decode (Context.flush), and returns its draft.
+DraftSteps = Generator[None, None, Draft]
 # A tree node's probability: the tokens within NEAR_TOP of the top logit exactly, the
 # rest from every TAIL_STRIDE-th (see ModelDrafter._likeliest).
 NEAR_TOP = 4.0
@@ -124,7 +132,7 @@ class Drafter(Protocol):
         their guesses and their costs differ."""
         ...
 
-    def propose(
+    def drafting(
         self,
         tokens: list[int],
         k: int,
@@ -132,9 +140,45 @@ class Drafter(Protocol):
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
         source: str | None = None,
-    ) -> Draft:
+    ) -> DraftSteps:
         """Up to k tokens deep, from `source` (one of `sources`; None: the first)."""
         ...
+
+
+def propose(
+    drafter: Drafter, tokens: list[int], k: int, rng: np.random.Generator, **options: Any
+) -> Draft:
+    """One drafter's round on its own (`options`: drafting's): each of its draft decode
+    calls is its alone."""
+    steps = drafter.drafting(tokens, k, rng, **options)
+    return draft_together([steps], [drafter.ctx])[0]
+
+
+def draft_together(
+    rounds: Sequence[DraftSteps | None], contexts: Iterable[Context | None]
+) -> list[Draft]:
+    """Several slots' rounds in lockstep (None: a slot that drafts nothing): each stages
+    its next draft tokens, then one decode call takes them all (the slots' draft
+    contexts are slots of one: `contexts` are flushed, and a flush with nothing staged
+    costs nothing), until every round has its draft. The draft model then runs once a
+    depth for the whole batch, not once a depth for each slot."""
+    drafts = [Draft() for _ in rounds]
+    running = [(i, steps) for i, steps in enumerate(rounds) if steps is not None]
+    flushes = [ctx for ctx in contexts if ctx is not None]
+    while running:
+        staged = []
+        for i, steps in running:
+            try:
+                next(steps)
+            except StopIteration as done:
+                drafts[i] = done.value
+            else:
+                staged.append((i, steps))
+        if staged:
+            for ctx in flushes:
+                ctx.flush()
+        running = staged
+    return drafts
 
 
 class ModelDrafter:
@@ -174,15 +218,18 @@ class ModelDrafter:
 
     def _sync(self, tokens: list[int]) -> int:
         """Drop the cached draft tokens that were not accepted; return the cache length
-        (shorter, after a recurrent model's rewind to its checkpoint)."""
+        (shorter, after a recurrent model's rewind to its checkpoint). The last token is
+        always evaluated again if it was cached: its logits row must be this round's (a
+        translated text can stop growing mid-character, and a slot's rows of an earlier
+        call are another slot's by now)."""
         n = self._n_cached
         for token in self._unchecked:
             if n >= len(tokens) or tokens[n] != token:
                 break
             n += 1
-        return self.ctx.rewind(n)
+        return self.ctx.rewind(min(n, len(tokens) - 1))
 
-    def propose(
+    def drafting(
         self,
         tokens: list[int],
         k: int,
@@ -190,27 +237,38 @@ class ModelDrafter:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
         source: str | None = None,
-    ) -> Draft:
+    ) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
-        n_keep = self._sync(tokens)
-        pending = len(tokens) - n_keep
-        if pending <= 2:
-            # One token at a time (the usual one or two): llama.cpp reuses its compute
-            # graph while the batch keeps its shape, and every draft step is one token.
-            for pos in range(n_keep, len(tokens)):
-                self.ctx.decode(tokens[pos : pos + 1], pos)
-        else:  # catching up after a rewind or another drafter's round: one batch
-            self.ctx.decode(tokens[n_keep:], n_keep)
+        calls = yield from self._catch_up(tokens)
         if k > 1:
             self.ctx.checkpoint()  # the drafts it evaluates may be rejected
         growth = _Growth(self, len(tokens), shape or TreeShape(k), rng, keep_drafting)
-        draft = growth.grow(k)
-        draft.calls += pending if pending <= 2 else 1
+        draft = yield from growth.grow(k)
+        draft.calls += calls
         # The draft tokens evaluated in sequence 0 (all of the chain but its last
         # token, usually) stay cached: next round keeps those the target accepted.
         self._n_cached, self._unchecked = len(tokens), self.ctx.tokens[len(tokens) :]
         self.ctx.drop_branches()
         return draft
+
+    def _catch_up(self, tokens: list[int]) -> Generator[None, None, int]:
+        """Stage what the cache lacks of `tokens`, a call at a time: returns the calls."""
+        n_keep = self._sync(tokens)
+        pending = tokens[n_keep:]
+        if len(pending) <= 2:
+            # One token at a time (the usual one or two): llama.cpp reuses its compute
+            # graph while the batch keeps its shape, and every draft step is one token.
+            for token in pending:
+                self.ctx.stage([token])
+                yield
+            return len(pending)
+        # Catching up after a rewind or another drafter's round: in as few calls as a
+        # slot's share of a batch allows, logits for the last token only.
+        n_batch = self.ctx.n_batch
+        for start in range(0, len(pending), n_batch):
+            self.ctx.stage(pending[start : start + n_batch], int(start + n_batch >= len(pending)))
+            yield
+        return -(-len(pending) // n_batch)
 
     def children(
         self, logits: np.ndarray, rng: np.random.Generator, n: int, need_confidence: bool
@@ -308,11 +366,12 @@ class _Growth:
         self.seq_of = {-1: 0}  # the sequence of each evaluated node; -1: the root
         self.n_seqs = 1
 
-    def grow(self, k: int) -> Draft:
+    def grow(self, k: int) -> DraftSteps:
         frontier = [-1]
         for depth in range(k):
             if depth:
-                frontier = self._evaluate(frontier, depth)
+                frontier = self._stage(frontier, depth)
+                yield
             rows = range(len(frontier)) if depth else [-1]
             new: list[int] = []
             for row, node in zip(rows, frontier, strict=True):
@@ -359,9 +418,9 @@ class _Growth:
         ranked = sorted(nodes, key=self._rank)
         return sorted(ranked[:n])
 
-    def _evaluate(self, frontier: list[int], depth: int) -> list[int]:
-        """One decode call over the frontier's nodes (all at `depth`), each in its own
-        branch; returns the nodes evaluated (not those the context had no branch for)."""
+    def _stage(self, frontier: list[int], depth: int) -> list[int]:
+        """The frontier's nodes (all at `depth`) staged for one decode call, each in its
+        own branch; returns the nodes staged (not those the context had no branch for)."""
         pos = self.base + depth - 1
         nodes, seqs, extended = [], [], set()
         for node in frontier:
@@ -375,7 +434,7 @@ class _Growth:
             self.seq_of[node] = seq
             nodes.append(node)
             seqs.append(seq)
-        self.ctx.decode_branches([self.draft.tokens[i] for i in nodes], [pos] * len(nodes), seqs)
+        self.ctx.stage_branches([self.draft.tokens[i] for i in nodes], [pos] * len(nodes), seqs)
         self.draft.calls += 1
         return nodes
 
@@ -487,7 +546,7 @@ class NgramDrafter:
                 return ends
         return []
 
-    def propose(
+    def drafting(
         self,
         tokens: list[int],
         k: int,
@@ -495,8 +554,10 @@ class NgramDrafter:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
         source: str | None = None,
-    ) -> Draft:
-        """`keep_drafting` is not consulted: a lookup has no confidence to offer."""
+    ) -> DraftSteps:
+        """`keep_drafting` is not consulted: a lookup has no confidence to offer. Nor
+        does it decode anything: it returns at once."""
+        yield from ()
         return self.continuation(tokens, self.matches(tokens), k, shape, source)
 
     @staticmethod
@@ -632,7 +693,7 @@ class LookupThenModel:
                 self.hit_rate[source] += (1.0 - self.DECAY) * ((i < hits) - self.hit_rate[source])
         self._guesses = []
 
-    def propose(
+    def drafting(
         self,
         tokens: list[int],
         k: int,
@@ -640,11 +701,11 @@ class LookupThenModel:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
         source: str | None = None,
-    ) -> Draft:
+    ) -> DraftSteps:
         order, ends = self._decide(tokens)
         source = source or order[0]
         if source in (self.lookup.name, self.lookup.VERBATIM_SOURCE):
             return self.lookup.continuation(tokens, ends, k, shape, source)
-        draft = self.model.propose(tokens, k, rng, keep_drafting, shape)
+        draft = yield from self.model.drafting(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
         return draft

@@ -10,6 +10,7 @@ the server gives it tasks and hears back through their callbacks.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -62,13 +63,22 @@ class BatchSpeculation:
     CPU) that can decide, and speculation must never make a loaded server slower. So
     for each number of busy slots, the tokens per second of both modes, drafts (fitted)
     and none (where drafts may be left out: greedy -k auto), are running averages
-    over blocks of BLOCK steps; the better mode runs, the other gets a block every
-    EXPLORE_EVERY blocks, so that a change (in the text, in the load) is seen. A
-    block's first step pays for the change of mode, and is not counted. One slot alone
-    always drafts: its length policy already follows the clock."""
+    over blocks of BLOCK steps, and the better mode runs.
+
+    Finding out costs what the worse mode loses, so it is asked sparingly:
+    - no drafts are the first block at a new size (the mode that cannot lose to
+      speculation off), and drafting gets its trial after that, unless it lost with
+      fewer busy slots: a larger batch is only nearer compute-bound;
+    - the worse mode gets a block again when that costs at most EXPLORE_BUDGET of the
+      time since its last: after EXPLORE_EVERY blocks if it lost little, up to
+      EXPLORE_MOST if it lost much (a change in the text or the load is seen by then).
+    A block's first step pays for the change of mode, and is not counted. One slot
+    alone always drafts: its length policy already follows the clock."""
 
     BLOCK = 8
-    EXPLORE_EVERY = 8  # blocks
+    EXPLORE_EVERY = 8  # blocks, at the least
+    EXPLORE_MOST = 64  # blocks, at the most
+    EXPLORE_BUDGET = 0.01  # of the time, lost to the worse mode's blocks
     DECAY = 0.9  # per step measured
 
     def __init__(self) -> None:
@@ -79,19 +89,32 @@ class BatchSpeculation:
             return True
         modes = self._by_size.setdefault(n, _Modes())
         if modes.left <= 0:
-            modes.drafting = self._next_mode(modes)
+            modes.drafting = self._next_mode(n, modes)
             modes.left = self.BLOCK
-            modes.blocks += 1
+            modes.since_worse = 0 if modes.drafting == modes.worse else modes.since_worse + 1
         modes.left -= 1
         return modes.drafting
 
-    def _next_mode(self, modes: _Modes) -> bool:
-        untried = [mode for mode in (True, False) if modes.steps[mode] == 0]
-        if untried:
-            return untried[0]
-        better = modes.rate[True] >= modes.rate[False]
-        explore = modes.blocks % self.EXPLORE_EVERY == 0
-        return (not better) if explore else better
+    def _next_mode(self, n: int, modes: _Modes) -> bool:
+        if not modes.steps[False]:
+            return False
+        if not modes.steps[True] and not self._drafting_lost_below(n):
+            return True
+        return modes.worse if modes.since_worse >= self._explore_every(modes) else not modes.worse
+
+    def _drafting_lost_below(self, n: int) -> bool:
+        return any(m < n and modes.drafting_lost for m, modes in self._by_size.items())
+
+    def _explore_every(self, modes: _Modes) -> int:
+        """Blocks between two of the worse mode's: it loses `loss` of a block's time."""
+        rates = modes.rate
+        if not modes.steps[True]:
+            return self.EXPLORE_MOST  # untried here: drafting lost with fewer slots
+        if max(rates.values()) <= 0:
+            return self.EXPLORE_EVERY
+        loss = 1.0 - min(rates.values()) / max(rates.values())
+        wanted = math.ceil(loss / self.EXPLORE_BUDGET)
+        return min(self.EXPLORE_MOST, max(self.EXPLORE_EVERY, wanted))
 
     def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
         modes = self._by_size.get(n)
@@ -113,7 +136,16 @@ class _Modes:
     steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     drafting: bool = True  # the current block's mode
     left: int = 0  # steps left in the current block
-    blocks: int = 0  # blocks run
+    since_worse: int = 0  # blocks since the worse mode's last
+
+    @property
+    def drafting_lost(self) -> bool:
+        return bool(self.steps[True]) and self.rate[True] < self.rate[False]
+
+    @property
+    def worse(self) -> bool:
+        """The mode measured slower (drafting, until it is measured)."""
+        return self.drafting_lost or not self.steps[True]
 
 
 class PromptCache:

@@ -30,6 +30,7 @@ import numpy as np
 
 from specdec_cli.decoding.drafters import (
     Draft,
+    DraftSteps,
     KeepDrafting,
     ModelDrafter,
     TreeShape,
@@ -254,7 +255,7 @@ class TranslatedDrafter:
     def sources(self, tokens: list[int]) -> list[str]:
         return [self.name]
 
-    def propose(
+    def drafting(
         self,
         tokens: list[int],
         k: int,
@@ -262,14 +263,17 @@ class TranslatedDrafter:
         keep_drafting: KeepDrafting | None = None,
         shape: TreeShape | None = None,
         source: str | None = None,
-    ) -> Draft:
+    ) -> DraftSteps:
         sequence = self._follow(tokens)
         room = self.ctx.n_ctx - len(sequence) - 1  # the draft's tokens are more, or fewer
         if room < 1 or not sequence:
             return Draft(source=self.name)
         if self.sampling.greedy:
-            return self._string_match(tokens, sequence, k, room, rng, keep_drafting, shape)
-        draft = self.model.propose(sequence, min(k, room), rng, keep_drafting, shape)
+            matched = yield from self._string_match(
+                tokens, sequence, k, room, rng, keep_drafting, shape
+            )
+            return matched
+        draft = yield from self.model.drafting(sequence, min(k, room), rng, keep_drafting, shape)
         # Every token drawn is a shared one: the same text, one target token each.
         shared = self.translation.shared
         draft.tokens = shared.map_tokens(draft.tokens)
@@ -285,7 +289,7 @@ class TranslatedDrafter:
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None,
         shape: TreeShape | None,
-    ) -> Draft:
+    ) -> DraftSteps:
         """SLEM: enough draft tokens for k + 1 target ones, their text tokenized by the
         target after its last tokens; the last is dropped (the draft's text may end
         inside a target token: "sa" of "sat"), and at most k kept.
@@ -302,7 +306,7 @@ class TranslatedDrafter:
             # nodes after translation, not by the draft.
             n_max, nodes = shape.nodes, min(room, math.ceil(shape.nodes * per_token))
             ours_shape = replace(shape, nodes=nodes, verify=(), draft_call=0.0)
-        ours = self.model.propose(sequence, depth, rng, keep_drafting, ours_shape)
+        ours = yield from self.model.drafting(sequence, depth, rng, keep_drafting, ours_shape)
         texts = [self._text(path) for path in leaf_paths(ours)]
         primary, n_spelled = texts[0]
         if n_spelled:

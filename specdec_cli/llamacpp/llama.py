@@ -489,10 +489,10 @@ class Context:
         self._remove_from(self._last_call_start)
         del self.tokens[self._last_call_start :]
 
-    def decode_branches(
+    def stage_branches(
         self, tokens: Sequence[int], positions: Sequence[int], seqs: Sequence[int]
     ) -> None:
-        """Evaluate token i at positions[i] in sequence seqs[i], with logits for every
+        """Stage token i at positions[i] in sequence seqs[i], with logits for every
         token (row i is token i's): how a draft grows its tree, one depth per call.
         Tokens of sequence 0 extend the accepted sequence's memory, in order; other
         sequences are branches (see fork), dropped by drop_branches. Sequences are
@@ -504,7 +504,6 @@ class Context:
         np.add(seqs, self.seq, out=b.seq_id[rows, 0])
         self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == 0)
         self._staged(rows, len(tokens), int(positions[0]))
-        self.flush()
 
     def fork(self, source: int, seq: int, n_tokens: int) -> None:
         """Make branch `seq` hold the first n_tokens positions of sequence `source`
