@@ -18,6 +18,7 @@ from test_decode import MODERATE_COSTS, PROMPT, SAMPLING, open_engine, pin_costs
 from specdec_cli.decoding import scheduler as scheduler_module
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder, Generation, Plan, fit_to_batch, step
+from specdec_cli.decoding.drafters import ModelDrafter, propose
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import PieceStream
@@ -212,6 +213,24 @@ def test_slots_draft_in_one_call_a_depth(
     assert len(draft_calls) < 0.75 * taken_part
     for job, tokens in zip(jobs, together, strict=True):
         assert tokens == alone(target_model, job)
+
+
+def test_a_draft_reads_its_own_row_after_other_slots_drafted(
+    target_model: Path, draft_model: Path
+) -> None:
+    """A round whose tokens the draft's cache already holds (a translated text cut
+    mid-character does not grow) evaluates its last token again: the rows of its last
+    decode call are another slot's by now."""
+    with parallel_engine(target_model, draft_model, 2) as engine:
+        mine, other = (ModelDrafter(ctx, GREEDY) for ctx in engine.draft_slots if ctx)
+        tokens, others = engine.tokenize(PROMPT), engine.tokenize(LONG_PROMPT)
+        mine.begin(tokens)
+        other.begin(others)
+        rng = np.random.default_rng(0)
+        first = propose(mine, tokens, 3, rng)
+        propose(other, others, 3, rng)
+        again = propose(mine, tokens, 3, rng)
+    assert again.tokens == first.tokens
 
 
 def make_task(engine: Engine, slot: int, prompt: list[int], log: list[str]) -> Task:

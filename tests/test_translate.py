@@ -18,6 +18,7 @@ from test_cli_run import specdec
 from test_decode import N_FIRST, SAMPLING, contingency, generate, open_engine
 from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
+from test_slots import Job, parallel_engine, run_together
 
 from specdec_cli.decoding.drafters import Draft, merge_into_tree
 from specdec_cli.decoding.draftlength import AutoLength
@@ -185,6 +186,21 @@ def test_greedy_translated_equals_target_only(
         out, stats = generate(engine, 48, decoder=decoder, prompt=engine.tokenize(PROMPT))
     assert out == reference
     assert stats.acceptance_rate > 0.8  # the draft is the target: nearly all is taken
+
+
+def test_translated_slots_draft_together(shuffled: Path, stories260k: Path) -> None:
+    """Two slots' translated drafts in shared draft calls, one text cut mid-character
+    (the draft's text then stops growing for a round): each is its text alone."""
+    with parallel_engine(shuffled, stories260k, 2, k=3, tree="off") as engine:
+        jobs = [
+            Job(engine.decoders[slot], engine.tokenize(prompt), 40)
+            for slot, prompt in enumerate((PROMPT, TEXTS[2]))
+        ]
+        together = run_together(jobs)
+        drafted = [ctx.decode_calls for ctx in engine.draft_slots if ctx]
+    for tokens, prompt in zip(together, (PROMPT, TEXTS[2]), strict=True):
+        assert tokens == target_only(shuffled, prompt, 40)
+    assert min(drafted) > 10
 
 
 @pytest.mark.parametrize("family", ["gemma-4", "qwen2", "llama-bpe"])
