@@ -352,3 +352,17 @@ def test_drafting_brought_back_by_one_probe_stops_soon() -> None:
     rounds after it miss, drafting stops again within two of them, not after the many
     a long-run average would need."""
     assert sum(k > 0 for k in after_a_lucky_probe(known=False)) <= 2
+
+
+def test_lucky_probes_that_leave_drafting_unpaid_come_ever_rarer() -> None:
+    """Sampled probes accepted every time, by the luck of a 0.2 chance: drafting never
+    pays, and each probe doubles the gap to the next, as a missed probe does. Reset to
+    PROBE_GAP after each, they cost a probe every 9 rounds."""
+    policy = AutoLength(STEEP, 0, 8, uses_confidence=False, prior=0.5)
+    until_stopped(policy, 0.2, known=True)
+    probes = 0
+    for _ in range(300):
+        k = policy.choose(100)
+        probes += k > 0
+        policy.observe(draft_of(k), min(k, 1), None, None, chances=[0.2] * min(k, 1))
+    assert probes <= 300 // AutoLength.MAX_PROBE_GAP + 4

@@ -18,7 +18,7 @@ from test_decode import MODERATE_COSTS, PROMPT, SAMPLING, open_engine, pin_costs
 from specdec_cli.decoding import scheduler as scheduler_module
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder, Generation, Plan, fit_to_batch, step
-from specdec_cli.decoding.drafters import ModelDrafter, propose
+from specdec_cli.decoding.drafters import ModelDrafter, TreeShape, propose
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import PieceStream
@@ -26,6 +26,7 @@ from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.scheduler import BatchSpeculation, PromptCache, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.decoding.treeshape import AutoTree
 from specdec_cli.llamacpp.llama import Context
 
 LONG_PROMPT = PROMPT + " and then" * 30  # read in several chunks below
@@ -231,6 +232,29 @@ def test_a_draft_reads_its_own_row_after_other_slots_drafted(
         propose(other, others, 3, rng)
         again = propose(mine, tokens, 3, rng)
     assert again.tokens == first.tokens
+
+
+def test_a_slots_tree_is_shaped_beside_the_others(
+    target_model: Path, draft_model: Path, moderate_costs: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each round's tree policy hears what the other slots put in the same target call:
+    the other's chain (its unseen token and 3 drafts) while both run, nothing alone."""
+    besides: list[int] = []
+    shape = AutoTree.shape
+
+    def recorded(self: AutoTree, k: int, limit: int, beside: int = 0) -> TreeShape | None:
+        besides.append(beside)
+        return shape(self, k, limit, beside)
+
+    monkeypatch.setattr(AutoTree, "shape", recorded)
+    with parallel_engine(target_model, draft_model, 2) as engine:
+        prompts = [engine.tokenize(PROMPT), engine.tokenize(PROMPT + " the little dog")]
+        jobs = [
+            Job(engine.make_decoder("model", "3", "auto", slot=slot), prompt, n)
+            for slot, (prompt, n) in enumerate(zip(prompts, (40, 12), strict=True))
+        ]
+        run_together(jobs)
+    assert 4 in besides and besides[-1] == 0
 
 
 def make_task(engine: Engine, slot: int, prompt: list[int], log: list[str]) -> Task:

@@ -206,6 +206,16 @@ def test_auto_tree_widens_only_where_the_curve_leaves_room_beside_the_chain() ->
     assert AutoTree(knee_costs(8), 32).shape(6, 100).width == 2  # type: ignore[union-attr]
 
 
+def test_auto_tree_shares_the_flat_part_with_other_slots() -> None:
+    """Flat to 8 tokens: alone, a 3-deep chain leaves room for alternatives; beside 4
+    tokens of other slots in the same call, its batch fills the flat part (a chain),
+    and a 1-deep chain's still leaves room."""
+    policy = AutoTree(knee_costs(8), 32)
+    assert policy.shape(3, 100) is not None
+    assert policy.shape(3, 100, beside=4) is None
+    assert policy.shape(1, 100, beside=3) is not None
+
+
 def test_auto_tree_fills_the_flat_part_of_the_curve(
     target_model: Path, draft_model: Path, reference
 ) -> None:

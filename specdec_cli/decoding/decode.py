@@ -165,6 +165,7 @@ class Plan:
     # on k, and must not depend on what else is running).
     fits: bool = False
     chosen: bool = True  # False: no policy was asked (a step without speculation)
+    beside: int = 0  # tokens the other slots put in the same target call (their chains)
 
 
 def step(
@@ -187,9 +188,13 @@ def step(
     players = [g for g in generations if not g.reading]
     alone = len(generations) == 1
     plans = [g.plan(speculate or alone) for g in players]
-    if not alone and speculate:
+    if not alone:
         read = sum(min(g.unread, target.n_batch) for g in readers)
-        fit_to_batch(plans, read, target.last_call_size)
+        if speculate:
+            fit_to_batch(plans, read, target.last_call_size)
+        total = read + sum(len(p.unseen) + p.k for p in plans)
+        for p in plans:
+            p.beside = total - len(p.unseen) - p.k
     for g in generations:
         g.round = None
     # Every slot's draft at once: one draft decode call a depth for them all.
@@ -353,7 +358,10 @@ class Generation:
         self._draft_start = _decode_seconds(self._draft_ctx)
         if not decoder.drafter or k == 0:
             return None
-        shape = tree.shape(k, plan.limit) if tree else None
+        # A sampled round's shape decides which random numbers go where: it is shaped as
+        # alone, so that a seed gives the same text beside any neighbours.
+        beside = plan.beside if self.sampling.greedy else 0
+        shape = tree.shape(k, plan.limit, beside) if tree else None
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
         return decoder.drafter.drafting(self.tokens, k, self.rng, keep_drafting, shape, plan.source)

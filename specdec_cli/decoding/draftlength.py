@@ -285,11 +285,12 @@ class AutoLength:
     # Nor does it grow by more than this in one step: the estimates past the drafted
     # positions are extrapolated, and a long jump on them chases a lucky streak.
     MAX_CLIMB = 2
-    # Not drafting, a probe every PROBE_GAP rounds; each probe that gets nothing
-    # accepted doubles the gap, up to MAX_PROBE_GAP: a draft that never agrees then
-    # costs a few percent at most. Success brings the gap back, but no more: whether
-    # drafting pays is for the estimates to say (a draft can agree and still cost more
-    # than it saves).
+    # Not drafting, a probe every PROBE_GAP rounds; each probe after which the estimates
+    # still say drafting does not pay doubles the gap, up to MAX_PROBE_GAP: a draft that
+    # never pays then costs a few percent at most. A probe's own acceptance is no
+    # success: a draft can agree and still cost more than it saves, and a sampled probe
+    # is accepted by luck as often as its chance says. Only drafting that pays again
+    # brings the gap back.
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
     PRIOR = 0.8  # the acceptance a fresh run starts from
@@ -452,17 +453,19 @@ class AutoLength:
         # counts as the chain's miss there. Counted whole, the tree's rescues made every
         # position look surer and k deeper, and a tree's nodes go to width instead.
         chain = accepted - beside
-        self._after_probe(n, chain)
         if draft.parents is None:  # a tree's confidences are per node, not position
             for i, confidence in enumerate(draft.confidences[: min(n, chain + 1)]):
                 self.calibration.record(confidence, i < chain)
         self.positions.record(n, chain, self._plan > 0, chances)
+        self._after_probe(n)
 
-    def _after_probe(self, n: int, accepted: int) -> None:
+    def _after_probe(self, n: int) -> None:
+        """The gap before the next probe, after a round that drafted n tokens."""
         if self._probing:
             self._probing = False
-            failed = accepted == 0
-            gap = min(2 * self._probe_gap, self.MAX_PROBE_GAP) if failed else self.PROBE_GAP
+            estimates = self.positions.estimates(self.k_max)
+            pays = self._step(estimates, 0, self.k_max) > 0
+            gap = self.PROBE_GAP if pays else min(2 * self._probe_gap, self.MAX_PROBE_GAP)
             self._probe_gap = gap
         elif n:
             self._probe_gap = self.PROBE_GAP

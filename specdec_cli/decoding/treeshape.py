@@ -64,8 +64,9 @@ class TreePolicy(Protocol):
         numbers each token uses)."""
         ...
 
-    def shape(self, k: int, limit: int) -> TreeShape | None:
-        """The shape of a round drafting k deep with room for `limit` tokens."""
+    def shape(self, k: int, limit: int, beside: int = 0) -> TreeShape | None:
+        """The shape of a round drafting k deep with room for `limit` tokens, beside
+        `beside` tokens of other slots in the same target call."""
         ...
 
     def observe(self, draft: Draft, path: list[int]) -> None:
@@ -89,7 +90,7 @@ class FixedTree:
     def begin(self) -> None:
         self.odds.begin()
 
-    def shape(self, k: int, limit: int) -> TreeShape | None:
+    def shape(self, k: int, limit: int, beside: int = 0) -> TreeShape | None:
         nodes = min(self.nodes, limit)
         if nodes <= k:
             return None
@@ -114,6 +115,10 @@ class AutoTree:
     was cut back to a chain, trees pause for a while (see PROBE_GAP). Where each token
     more in a batch costs a good part of a pass (this kind of CPU), rounds stay chains
     at next to no extra work.
+
+    Beside other slots in one target call, a round's tokens cost what they add to the
+    batch the others make: the flat part of the curve is shared, and where the others
+    fill it, trees shrink to chains.
     """
 
     DECAY = 0.93  # per round, for the running rate
@@ -127,9 +132,8 @@ class AutoTree:
     def __init__(self, costs: Costs, max_nodes: int) -> None:
         self.costs = costs
         self.max_nodes = max_nodes
-        # verify[n]: a batch of n + 1 tokens (n draft tokens), extrapolated where unmeasured
-        self.verify = tuple(verify_cost(costs.verify, n + 1) for n in range(max_nodes + 1))
-        self._plans: dict[tuple[int, int], tuple[float, int]] = {}  # see _plan
+        self._curves: dict[int, tuple[float, ...]] = {}  # see verify
+        self._plans: dict[tuple[int, int, int], tuple[float, int]] = {}  # see _plan
         self.odds = NodeOdds()
         self.begin()
 
@@ -140,11 +144,20 @@ class AutoTree:
         self._wait = 0  # chain rounds left before the next tree
         self._trying = False  # this round was offered a tree
 
-    def shape(self, k: int, limit: int) -> TreeShape | None:
+    def verify(self, beside: int = 0) -> tuple[float, ...]:
+        """verify[n]: the cost of a target call that holds a round of n draft tokens (a
+        batch of n + 1) and `beside` tokens of other slots; extrapolated where unmeasured.
+        What a node costs is a difference of two of these: the slope where the call is."""
+        if beside not in self._curves:
+            sizes = range(beside + 1, beside + self.max_nodes + 2)
+            self._curves[beside] = tuple(verify_cost(self.costs.verify, n) for n in sizes)
+        return self._curves[beside]
+
+    def shape(self, k: int, limit: int, beside: int = 0) -> TreeShape | None:
         nodes = min(self.max_nodes, limit)
         if nodes <= k:
             return None
-        extra, width = self._plan(k, nodes)
+        extra, width = self._plan(k, nodes, beside)
         bar = self.rate * extra
         if bar >= 1.0:  # not even a certain token beside the chain would pay: a chain
             return None
@@ -157,29 +170,30 @@ class AutoTree:
             width,
             width,
             min_score=max(0.0, bar),
-            verify=self.verify[: nodes + 1],
+            verify=self.verify(beside)[: nodes + 1],
             draft_call=self.costs.draft_over_target,
             odds=self.odds.chance,
         )
 
-    def _plan(self, k: int, nodes: int) -> tuple[float, int]:
+    def _plan(self, k: int, nodes: int, beside: int) -> tuple[float, int]:
         """cheapest_extra, and the width (as for --tree N, from flat_nodes), of a round
-        k deep with room for `nodes`: asked every round, for a few (k, nodes), worked out
-        once each."""
-        key = (k, nodes)
+        k deep with room for `nodes` beside `beside` tokens: asked every round, for a
+        few (k, nodes, beside), worked out once each."""
+        key = (k, nodes, beside)
         if key not in self._plans:
-            width = spread(self.flat_nodes(k, nodes), k)
-            self._plans[key] = self.cheapest_extra(k, nodes), width
+            width = spread(self.flat_nodes(k, nodes, beside), k)
+            self._plans[key] = self.cheapest_extra(k, nodes, beside), width
         return self._plans[key]
 
-    def cheapest_extra(self, k: int, nodes: int) -> float:
+    def cheapest_extra(self, k: int, nodes: int, beside: int = 0) -> float:
         """The least that a token beside a k-token chain adds to the verification, on
         average over the ones added with it (a curve can be uneven), counting the graph
         rebuild that leaving the chain's batch size costs."""
-        base, verify, switch = self.verify[k], self.verify, self.costs.switch
+        verify, switch = self.verify(beside), self.costs.switch
+        base = verify[k]
         return min((verify[n] - base + switch) / (n - k) for n in range(k + 1, nodes + 1))
 
-    def flat_nodes(self, k: int, nodes: int) -> int:
+    def flat_nodes(self, k: int, nodes: int, beside: int = 0) -> int:
         """The most draft tokens (k at least, `nodes` at most) that verify for about
         the price of the k-token chain's batch.
 
@@ -187,8 +201,8 @@ class AutoTree:
         curve, a tree of mostly chain with a second choice per depth beat one with four
         alternatives per node, ranked by the draft's path probabilities, wherever the
         chain was deep (see benchmarks/README.md)."""
-        base = self.verify[k]
-        return max(n for n in range(k, nodes + 1) if self.verify[n] - base <= FLAT_EXTRA)
+        verify = self.verify(beside)
+        return max(n for n in range(k, nodes + 1) if verify[n] - verify[k] <= FLAT_EXTRA)
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         trying, self._trying = self._trying, False
