@@ -37,6 +37,8 @@ from ggufgen import (
     write_gguf,
 )
 
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.engine import Engine
 from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.llamacpp.probe import choose_repack
 
@@ -295,3 +297,22 @@ def hybrid_pair(tmp_path_factory: pytest.TempPathFactory, vocab: Vocab) -> tuple
     """A 4-layer LFM2 target (short-convolution layers 0 and 2, attention layers 1 and 3,
     the last two weak) and its 2-layer draft (greedy acceptance about 0.3)."""
     return family_pair(tmp_path_factory.mktemp("lfm2"), LFM2, vocab, Lfm2Params(), 2)
+
+
+# A machine where a few draft tokens cost nothing to verify and more cost 0.3 of a pass
+# each, for tests of -k auto that need drafts a few tokens long whatever the machine
+# they run on measures (verification flat to 16 tokens made auto draft 7 deep, leaving
+# an 8-node tree no branches; a steep one made a lookup at temperature 1 draft nothing, and
+# one where 2 tokens cost twice 1 made the lookup on stories260K's text give up).
+MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
+
+
+def pin_costs(monkeypatch: pytest.MonkeyPatch, costs: Costs) -> None:
+    """Every engine of the test prices -k auto and --tree auto with `costs`, not with
+    what the machine running it measures."""
+    monkeypatch.setattr(Engine, "costs", lambda self: costs)
+
+
+@pytest.fixture
+def moderate_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    pin_costs(monkeypatch, MODERATE_COSTS)

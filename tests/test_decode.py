@@ -14,6 +14,7 @@ from conftest import (
     SEED,
     TARGET_HPARAMS,
     WEAK_SCALE,
+    pin_costs,
     target_tensors,
 )
 from gguf import TokenType
@@ -42,24 +43,6 @@ from specdec_cli.llamacpp.probe import choose_repack
 
 PROMPT = "Once upon a time"
 K_VALUES = [1, 2, 4, 8, "auto"]
-
-# A machine where a few draft tokens cost nothing to verify and more cost 0.3 of a pass
-# each, for tests of -k auto that need drafts a few tokens long whatever the machine
-# they run on measures (verification flat to 16 tokens made auto draft 7 deep, leaving
-# an 8-node tree no branches; a steep one made a lookup at temperature 1 draft nothing, and
-# one where 2 tokens cost twice 1 made the lookup on stories260K's text give up).
-MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(1, 66)}, 0.1)
-
-
-def pin_costs(monkeypatch: pytest.MonkeyPatch, costs: Costs) -> None:
-    """Every engine of the test prices -k auto and --tree auto with `costs`, not with
-    what the machine running it measures."""
-    monkeypatch.setattr(Engine, "costs", lambda self: costs)
-
-
-@pytest.fixture
-def moderate_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    pin_costs(monkeypatch, MODERATE_COSTS)
 
 
 def open_engine(

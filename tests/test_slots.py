@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_decode import MODERATE_COSTS, PROMPT, SAMPLING, open_engine, pin_costs
+from test_decode import PROMPT, SAMPLING, open_engine
 
 from specdec_cli.decoding import scheduler as scheduler_module
 from specdec_cli.decoding.costmodel import Costs
@@ -85,11 +85,6 @@ def parallel_engine(
     drafting = DraftOptions(k=str(k), tree=tree)
     options = EngineOptions(target, draft, n_ctx=256 * parallel, threads=1, parallel=parallel)
     return Engine(replace(options, sampling=sampling, drafting=drafting))
-
-
-@pytest.fixture
-def moderate_costs(monkeypatch: pytest.MonkeyPatch) -> None:
-    pin_costs(monkeypatch, MODERATE_COSTS)
 
 
 def test_greedy_slots_equal_each_generation_alone(
