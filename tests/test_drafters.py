@@ -9,6 +9,7 @@ from specdec_cli.decoding.drafters import (
     DraftSteps,
     LookupThenModel,
     NgramDrafter,
+    TextMemory,
     propose,
 )
 
@@ -142,3 +143,27 @@ def test_lookup_then_model_offers_a_verbatim_repeat_first() -> None:
         propose(drafter, tokens, 8, RNG, source=NgramDrafter.VERBATIM_SOURCE).tokens
         == (LOOP * 2)[:8]
     )
+
+
+def test_a_lookup_with_a_memory_finds_an_earlier_generations_text() -> None:
+    """A server's lookups share a memory of recent texts: a text that goes over what an
+    earlier generation wrote gets that generation's continuation, where its own text
+    has no match as long. Sampled generations never look there, and the memory keeps to
+    its budget, the oldest text out first."""
+    memory = TextMemory(40, 1, 4)
+    lookup = NgramDrafter(1, 4, memory=memory)
+    earlier = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    lookup.begin(earlier[:3])
+    propose(lookup, earlier, 3, RNG)  # sees the whole text, handed over at the next begin
+    lookup.begin([1, 2, 3])
+    assert propose(lookup, [1, 2, 3], 3, RNG).tokens == [4, 5, 6]
+    # Its own text's match wins at equal length; a longer one in memory wins over it.
+    for text, k, guess in (([7, 3, 9, 3], 1, [9]), ([7, 2, 3], 2, [4, 5])):
+        lookup.begin(text)
+        assert propose(lookup, text, k, RNG).tokens == guess
+    sampled = NgramDrafter(1, 4, greedy=False, memory=memory)
+    sampled.begin([1, 2, 3])
+    assert propose(sampled, [1, 2, 3], 3, RNG).tokens == []
+    for start in range(100, 160, 20):  # 60 more tokens: the first text is forgotten
+        memory.add(list(range(start, start + 20)))
+    assert memory.find((2, 3)) is None and memory.find((121, 122)) is not None

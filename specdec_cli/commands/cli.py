@@ -643,7 +643,8 @@ def serve(
     )
     given["chat"] = chat_format(**chat_flags)
     serve_options = ServeOptions(**given)
-    run_server(replace(options, parallel=serve_options.parallel), serve_options)
+    drafting = replace(options.drafting, ngram_memory=serve_options.ngram_memory)
+    run_server(replace(options, parallel=serve_options.parallel, drafting=drafting), serve_options)
 
 
 @app.command()

@@ -14,7 +14,7 @@ one call decodes every slot's next draft tokens, as one target call verifies the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -476,6 +476,72 @@ class _Growth:
         )
 
 
+# A lookup's match: a text, and where the n-gram that ends the current text ended in it
+# (its latest occurrences, the latest last). The text is the current one, or an earlier
+# generation's (see TextMemory).
+Match = tuple[Sequence[int], list[int]]
+
+
+def ngrams_ending(
+    tokens: Sequence[int], start: int, stop: int, n_min: int, n_max: int
+) -> Iterator[tuple[tuple[int, ...], int]]:
+    """Every n-gram (n_min <= n <= n_max) that ends at an index in [start, stop), and
+    that index."""
+    for end in range(start, stop):
+        for n in range(n_min, min(n_max, end + 1) + 1):
+            yield tuple(tokens[end - n + 1 : end + 1]), end
+
+
+class TextMemory:
+    """The texts (prompt and output) of a server's recent generations, for every slot's
+    n-gram lookup: a request that goes over text an earlier one holds (a prompt sent
+    again, the history a chat resends, an agent's repeated context) finds what followed
+    it there, as llama.cpp's server-wide ngram-mod map does. At most `max_tokens` in all,
+    the oldest text out first. Only greedy generations look here: a sampled one's drafts
+    decide where its random numbers go, and its seed must give the same text whatever
+    ran before it."""
+
+    def __init__(self, max_tokens: int, n_min: int, n_max: int) -> None:
+        self.max_tokens, self.n_min, self.n_max = max_tokens, n_min, n_max
+        self._texts: dict[int, list[int]] = {}  # by id, the oldest first
+        # n-gram -> (text id, end index) of its latest occurrences, the latest last
+        self._ends: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+        self._next_id = 0
+        self._tokens = 0
+
+    def add(self, text: Sequence[int]) -> None:
+        text = list(text[-self.max_tokens :])
+        text_id, self._next_id = self._next_id, self._next_id + 1
+        self._texts[text_id] = text
+        self._tokens += len(text)
+        # n-grams ending at the last token have nothing after them to offer
+        for key, end in ngrams_ending(text, 0, len(text) - 1, self.n_min, self.n_max):
+            ends = self._ends.setdefault(key, [])
+            ends.append((text_id, end))
+            if len(ends) > NgramDrafter.OCCURRENCES:
+                del ends[0]
+        while self._tokens > self.max_tokens:
+            self._forget(next(iter(self._texts)))
+
+    def _forget(self, text_id: int) -> None:
+        text = self._texts.pop(text_id)
+        self._tokens -= len(text)
+        for key, _ in ngrams_ending(text, 0, len(text) - 1, self.n_min, self.n_max):
+            kept = [place for place in self._ends.get(key, []) if place[0] != text_id]
+            if kept:
+                self._ends[key] = kept
+            else:
+                self._ends.pop(key, None)
+
+    def find(self, key: tuple[int, ...]) -> Match | None:
+        """The latest text that holds the n-gram `key`, and where it ended there."""
+        places = self._ends.get(key)
+        if not places:
+            return None
+        text_id = places[-1][0]
+        return self._texts[text_id], [end for i, end in places if i == text_id]
+
+
 class NgramDrafter:
     """Prompt lookup: if the last n tokens occurred before, guess that what followed
     them then follows them now. Longest n first. A point-mass proposal: q(x) = 1.
@@ -491,28 +557,40 @@ class NgramDrafter:
     VERBATIM = 24
     VERBATIM_SOURCE = "verbatim"
 
-    def __init__(self, n_min: int = 1, n_max: int = 4, greedy: bool = True) -> None:
+    def __init__(
+        self,
+        n_min: int = 1,
+        n_max: int = 4,
+        greedy: bool = True,
+        memory: TextMemory | None = None,
+    ) -> None:
+        """`memory`: earlier generations' texts, looked up where the current text has no
+        match as long (greedy only; see TextMemory)."""
         self.n_min, self.n_max = n_min, n_max
         self.greedy = greedy
+        self.memory = memory
         # n-gram -> end indices of its latest occurrences, the latest last
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this index are in _ends
-        self._matched: tuple[int, list[int]] = (-1, [])  # (text length, its matches)
+        self._text: list[int] = []  # the current generation's text, as last seen
+        self._matched: tuple[int, Match] = (-1, ([], []))  # (text length, its match)
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+        if self.memory is not None and self._text:
+            self.memory.add(self._text)  # the last generation's text, now complete
         if sampling is not None:
             self.greedy = sampling.greedy
         self._ends = {}
         self._indexed = 0
-        self._matched = (-1, [])
+        self._text = []
+        self._matched = (-1, ([], []))
 
     def _index(self, tokens: list[int], upto: int) -> None:
-        for end in range(self._indexed, upto):
-            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
-                ends = self._ends.setdefault(tuple(tokens[end - n + 1 : end + 1]), [])
-                ends.append(end)
-                if len(ends) > self.OCCURRENCES:
-                    del ends[0]
+        for key, end in ngrams_ending(tokens, self._indexed, upto, self.n_min, self.n_max):
+            ends = self._ends.setdefault(key, [])
+            ends.append(end)
+            if len(ends) > self.OCCURRENCES:
+                del ends[0]
         self._indexed = max(self._indexed, upto)
 
     def sources(self, tokens: list[int]) -> list[str]:
@@ -520,31 +598,39 @@ class NgramDrafter:
             return [self.VERBATIM_SOURCE, self.name]
         return [self.name]
 
-    def verbatim(self, tokens: list[int], ends: list[int]) -> bool:
+    def verbatim(self, tokens: list[int], match: Match) -> bool:
         """Whether the latest match (see matches) is the last VERBATIM tokens repeated:
         then the text is going round a loop or copying a block, and what followed is
         far likelier to follow again than after a short match, for far longer."""
+        text, ends = match
         if not ends or ends[-1] + 1 < self.VERBATIM:
             return False
         end = ends[-1]
-        return tokens[end + 1 - self.VERBATIM : end + 1] == tokens[-self.VERBATIM :]
+        return list(text[end + 1 - self.VERBATIM : end + 1]) == tokens[-self.VERBATIM :]
 
-    def matches(self, tokens: list[int]) -> list[int]:
-        """Where the longest n-gram that ends `tokens` ended before (its latest
-        occurrences, the latest last); [] when none did. Looked up once a round (the
-        text only grows): who drafts and the draft both ask."""
+    def matches(self, tokens: list[int]) -> Match:
+        """Where the longest n-gram that ends `tokens` ended before: in `tokens` itself,
+        or (greedy, with a memory) in an earlier generation's text; no ends when it
+        never did. At equal length the current text's own match wins. Looked up once a
+        round (the text only grows): who drafts and the draft both ask."""
         if self._matched[0] != len(tokens):
+            self._text = tokens
             self._matched = (len(tokens), self._look_up(tokens))
         return self._matched[1]
 
-    def _look_up(self, tokens: list[int]) -> list[int]:
+    def _look_up(self, tokens: list[int]) -> Match:
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
+        memory = self.memory if self.greedy else None
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
-            ends = self._ends.get(tuple(tokens[-n:]))
+            key = tuple(tokens[-n:])
+            ends = self._ends.get(key)
             if ends:
-                return ends
-        return []
+                return tokens, ends
+            found = memory.find(key) if memory is not None else None
+            if found is not None:
+                return found
+        return tokens, []
 
     def drafting(
         self,
@@ -558,38 +644,39 @@ class NgramDrafter:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer. Nor
         does it decode anything: it returns at once."""
         yield from ()
-        return self.continuation(tokens, self.matches(tokens), k, shape, source)
+        return self.continuation(self.matches(tokens), k, shape, source)
 
     @staticmethod
-    def followed(tokens: list[int], ends: list[int], n: int, loop: bool = False) -> list[int]:
-        """The n tokens that followed the latest of `ends` (see matches): its guess.
+    def followed(match: Match, n: int, loop: bool = False) -> list[int]:
+        """The n tokens that followed the latest of the match's ends: its guess.
         `loop`: past the end of the text, the tokens since that occurrence again, as if
         the text went round the same loop (what llama.cpp's ngram-mod, looking up each
         drafted token's n-gram in turn, finds in a verbatim repeat)."""
+        text, ends = match
         start = ends[-1] + 1
-        guess = tokens[start : start + n]
+        guess = list(text[start : start + n])
         while loop and 0 < len(guess) < n:
             guess += guess[: n - len(guess)]
         return guess
 
     def continuation(
         self,
-        tokens: list[int],
-        ends: list[int],
+        match: Match,
         k: int,
         shape: TreeShape | None = None,
         source: str | None = None,
     ) -> Draft:
-        """What followed the earlier `ends` of the n-gram that ends `tokens` (see
+        """What followed the earlier ends of the n-gram that ends the text (see
         matches): up to k tokens deep, a chain or the tree `shape` allows. For the
         verbatim source, a chain that goes round the loop (see followed)."""
         draft = Draft(source=self.name)
+        text, ends = match
         if ends and source == self.VERBATIM_SOURCE:
-            draft.tokens = self.followed(tokens, ends, k, loop=True)
+            draft.tokens = self.followed(match, k, loop=True)
         elif ends and (shape is None or shape.is_chain):
-            draft.tokens = self.followed(tokens, ends, k)
+            draft.tokens = self.followed(match, k)
         elif ends:
-            continuations = [tokens[end + 1 : end + 1 + k] for end in ends[::-1]]
+            continuations = [list(text[end + 1 : end + 1 + k]) for end in ends[::-1]]
             merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
@@ -641,8 +728,8 @@ class LookupThenModel:
         self.ctx = model.ctx
         self.hit_rate: dict[str, float] = {}
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)
-        # This round's decision: (tokens, who may draft after them, the lookup's matches).
-        self._decided: tuple[int, list[str], list[int]] | None = None
+        # This round's decision: (tokens, who may draft after them, the lookup's match).
+        self._decided: tuple[int, list[str], Match] | None = None
 
     def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
         """Each text anew: how much one repeats itself says nothing of the next. The
@@ -656,7 +743,7 @@ class LookupThenModel:
     def sources(self, tokens: list[int]) -> list[str]:
         return self._decide(tokens)[0]
 
-    def _decide(self, tokens: list[int]) -> tuple[list[str], list[int]]:
+    def _decide(self, tokens: list[int]) -> tuple[list[str], Match]:
         """Who may draft (the lookup only where it matches; first if it has lately been
         the better guesser) and the lookup's matches; decided once a round (the text
         only grows), after scoring last round's guesses.
@@ -667,17 +754,17 @@ class LookupThenModel:
         its turn (on copied text, which it would have drafted for free)."""
         if self._decided is None or self._decided[0] != len(tokens):
             self._score(tokens)
-            ends = self.lookup.matches(tokens)
+            match = self.lookup.matches(tokens)
             order = [self.model.name]
-            if ends:
+            if match[1]:
                 # Only its tokens: a Draft would carry a point proposal for each of them.
-                guess = self.lookup.followed(tokens, ends, self.GUESS_LENGTH)
+                guess = self.lookup.followed(match, self.GUESS_LENGTH)
                 self._guesses.append((self.lookup.name, len(tokens), guess))
                 better = self.hit_rate[self.lookup.name] > self.hit_rate[self.model.name]
                 order.insert(0 if better else 1, self.lookup.name)
-                if self.lookup.verbatim(tokens, ends):
+                if self.lookup.verbatim(tokens, match):
                     order.insert(0, self.lookup.VERBATIM_SOURCE)
-            self._decided = (len(tokens), order, ends)
+            self._decided = (len(tokens), order, match)
         return self._decided[1], self._decided[2]
 
     def _score(self, tokens: list[int]) -> None:
@@ -702,10 +789,10 @@ class LookupThenModel:
         shape: TreeShape | None = None,
         source: str | None = None,
     ) -> DraftSteps:
-        order, ends = self._decide(tokens)
+        order, match = self._decide(tokens)
         source = source or order[0]
         if source in (self.lookup.name, self.lookup.VERBATIM_SOURCE):
-            return self.lookup.continuation(tokens, ends, k, shape, source)
+            return self.lookup.continuation(match, k, shape, source)
         draft = yield from self.model.drafting(tokens, k, rng, keep_drafting, shape)
         self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
         return draft

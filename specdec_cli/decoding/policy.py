@@ -12,7 +12,13 @@ from typing import TYPE_CHECKING
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import Drafter, LookupThenModel, ModelDrafter, NgramDrafter
+from specdec_cli.decoding.drafters import (
+    Drafter,
+    LookupThenModel,
+    ModelDrafter,
+    NgramDrafter,
+    TextMemory,
+)
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
@@ -35,6 +41,11 @@ class Policy:
 
     def __init__(self, models: LoadedModels) -> None:
         self.models = models
+        d = models.options.drafting
+        # Shared by every slot's lookup (see TextMemory): one server's recent texts.
+        self.memory = (
+            TextMemory(d.ngram_memory, d.ngram_min, d.ngram_max) if d.ngram_memory else None
+        )
 
     def decoder(self, kind: str | None, k: str, tree: str | None = None, slot: int = 0) -> Decoder:
         """A decoder for `slot`, drafting with `kind` ("model", "ngram", "model+ngram", or
@@ -46,7 +57,7 @@ class Policy:
         target, draft_ctx = self.models.slots[slot], self.models.draft_slots[slot]
         if kind is None:
             return Decoder(target, None, sampling)
-        lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy)
+        lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy, self.memory)
         if kind == "ngram":
             drafter: Drafter = lookup
         elif draft_ctx is None:
@@ -56,7 +67,7 @@ class Policy:
         else:
             # Next to a draft model, only longer matches are worth more than its guess.
             n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
-            lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy)
+            lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy, self.memory)
             drafter = LookupThenModel(lookup, self.model_drafter(draft_ctx))
         # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.

@@ -25,6 +25,7 @@ class DraftOptions:
     p_min: float = 0.0
     ngram_min: int = 1
     ngram_max: int = 4
+    ngram_memory: int = 0  # tokens of earlier generations' texts the lookup may find (serve)
     tree: str = "auto"  # "off" (chains), "auto", or at most N tokens a round (see treeshape)
 
 
