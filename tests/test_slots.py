@@ -407,6 +407,25 @@ def test_a_step_without_speculation_drops_only_the_drafts_it_may(
     assert outs == [reference[:24], reference]
 
 
+def test_a_verbatim_repeat_drafts_in_a_step_without_speculation(target_model: Path) -> None:
+    """A text that repeats itself verbatim (a block of the prompt given twice) drafts
+    even in steps without speculation: such drafts are taken nearly whole. Its text is
+    still the target's alone."""
+    with parallel_engine(target_model, None, 2, k="auto", tree="off") as engine:
+        block = list(range(300, 330))  # 30 tokens that occur nowhere else
+        prompt = engine.tokenize(PROMPT) + block + block
+        lookup = engine.make_decoder("ngram", "auto", "off", slot=0)
+        repeating = lookup.start(prompt, 8, np.random.default_rng(0), Stats())
+        other = engine.make_decoder(None, "auto", slot=1)
+        beside = other.start(engine.tokenize(PROMPT), 40, np.random.default_rng(0), Stats())
+        out: list[int] = []
+        while not repeating.finished:
+            step([repeating, beside], speculate=False)
+            out += repeating.round.tokens if repeating.round else []
+        assert repeating.stats.drafted > 0
+    assert out == alone(target_model, Job(lookup, prompt, 8))
+
+
 def run_in(scheduler: Scheduler, engine: Engine, prompt: list[int]) -> tuple[list[int], Stats]:
     """One greedy generation through `scheduler.claim`: its tokens and figures."""
     slot = scheduler.claim(prompt)

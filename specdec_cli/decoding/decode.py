@@ -19,7 +19,13 @@ from typing import cast
 import numpy as np
 
 from specdec_cli.decoding.costmodel import verify_cost
-from specdec_cli.decoding.drafters import Draft, Drafter, DraftSteps, draft_together
+from specdec_cli.decoding.drafters import (
+    Draft,
+    Drafter,
+    DraftSteps,
+    NgramDrafter,
+    draft_together,
+)
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.sampling import (
     SamplingParams,
@@ -33,6 +39,7 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Context
 
 NO_DRAFT = Draft()
+VERBATIM = NgramDrafter.VERBATIM_SOURCE
 
 
 @dataclass(frozen=True)
@@ -179,8 +186,8 @@ def step(
     With several generations, their draft lengths are fitted to the batch as a whole
     (see fit_to_batch): what a round costs is the cost of the whole batch. `budget`: the
     most prompt tokens read in this call (None: as many as a batch holds). `speculate`
-    False: the drafts that may be shortened are dropped (see Scheduler). Returns the
-    call's number of tokens."""
+    False: the drafts that may be shortened are dropped (see Scheduler), but for a text
+    that repeats itself verbatim. Returns the call's number of tokens."""
     if not generations:
         return 0
     target = generations[0].decoder.target
@@ -335,7 +342,8 @@ class Generation:
     def plan(self, speculate: bool = True) -> Plan:
         """Who drafts this round and how much, as the slot's policies alone would have it.
         `speculate` False: no draft where one may be left out (see Plan.fits), and then
-        no policy is asked, so that the round costs what a target-only one does."""
+        no policy is asked, so that the round costs what a target-only one does; but a
+        text that repeats itself verbatim still drafts (see _repeating)."""
         if not self._started:
             self._begin()
         target = self.decoder.target
@@ -347,7 +355,7 @@ class Generation:
         # and verify in one decode call (the logits of one call are all kept).
         room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
         limit = min(room - 1, target.n_batch - len(unseen))
-        if not speculate and self._fits:
+        if not speculate and self._fits and not self._repeating():
             return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
         return Plan(length, source, k, limit, unseen, self._fits)
@@ -365,6 +373,12 @@ class Generation:
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
         return decoder.drafter.drafting(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+
+    def _repeating(self) -> bool:
+        """Whether the text repeats itself verbatim (the lookup's first source): such
+        drafts are taken nearly whole, and pay beside any batch, on any cost curve."""
+        drafter = self.decoder.drafter
+        return drafter is not None and drafter.sources(self.tokens)[0] == VERBATIM
 
     def stage_round(self, plan: Plan, draft: Draft) -> None:
         """Stage the verification batch: the unseen tokens, then the draft."""
