@@ -20,6 +20,7 @@ import numpy as np
 
 from specdec_cli.decoding.costmodel import verify_cost
 from specdec_cli.decoding.drafters import (
+    NO_DRAFT,
     Draft,
     Drafter,
     DraftSteps,
@@ -38,7 +39,6 @@ from specdec_cli.decoding.treeshape import TreePolicy
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Context
 
-NO_DRAFT = Draft()
 VERBATIM = NgramDrafter.VERBATIM_SOURCE
 
 

@@ -109,6 +109,7 @@ class TreeShape:
 
 
 KeepDrafting = Callable[[int, float], bool]  # (index of the next token, draft confidence)
+NO_DRAFT = Draft()  # a round that drafts nothing (never changed: every such round shares it)
 # A drafter's round: it yields whenever it has staged tokens in its draft context for the
 # driver to decode (Context.flush), and returns its draft.
 DraftSteps = Generator[None, None, Draft]
@@ -162,7 +163,7 @@ def draft_together(
     contexts are slots of one: `contexts` are flushed, and a flush with nothing staged
     costs nothing), until every round has its draft. The draft model then runs once a
     depth for the whole batch, not once a depth for each slot."""
-    drafts = [Draft() for _ in rounds]
+    drafts = [NO_DRAFT] * len(rounds)
     running = [(i, steps) for i, steps in enumerate(rounds) if steps is not None]
     flushes = [ctx for ctx in contexts if ctx is not None]
     while running:
@@ -479,7 +480,7 @@ class _Growth:
 # A lookup's match: a text, and where the n-gram that ends the current text ended in it
 # (its latest occurrences, the latest last). The text is the current one, or an earlier
 # generation's (see TextMemory).
-Match = tuple[Sequence[int], list[int]]
+Match = tuple[list[int], list[int]]
 
 
 def ngrams_ending(
@@ -606,7 +607,7 @@ class NgramDrafter:
         if not ends or ends[-1] + 1 < self.VERBATIM:
             return False
         end = ends[-1]
-        return list(text[end + 1 - self.VERBATIM : end + 1]) == tokens[-self.VERBATIM :]
+        return text[end + 1 - self.VERBATIM : end + 1] == tokens[-self.VERBATIM :]
 
     def matches(self, tokens: list[int]) -> Match:
         """Where the longest n-gram that ends `tokens` ended before: in `tokens` itself,
@@ -654,7 +655,7 @@ class NgramDrafter:
         drafted token's n-gram in turn, finds in a verbatim repeat)."""
         text, ends = match
         start = ends[-1] + 1
-        guess = list(text[start : start + n])
+        guess = text[start : start + n]
         while loop and 0 < len(guess) < n:
             guess += guess[: n - len(guess)]
         return guess
@@ -676,7 +677,7 @@ class NgramDrafter:
         elif ends and (shape is None or shape.is_chain):
             draft.tokens = self.followed(match, k)
         elif ends:
-            continuations = [list(text[end + 1 : end + 1 + k]) for end in ends[::-1]]
+            continuations = [text[end + 1 : end + 1 + k] for end in ends[::-1]]
             merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
         if not self.greedy:
             draft.dists = [Dist.point(t) for t in draft.tokens]
