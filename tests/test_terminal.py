@@ -233,3 +233,20 @@ Engine.pieces = slow_after_five
     assert code == 130, screen
     assert "5 tokens" in screen and "stop: interrupted" in screen
     assert "Traceback" not in screen
+
+
+def test_the_command_loads_llama_cpp_before_numpy() -> None:
+    """On a CUDA build, numpy loaded first made the first model load crash."""
+    code = (
+        "import sys\n"
+        "from specdec_cli.__main__ import main\n"
+        "sys.argv = ['specdec', '--version']\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "loaded = list(sys.modules)\n"
+        "print(loaded.index('llama_cpp.llama_cpp') < loaded.index('numpy'))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "True"
