@@ -366,3 +366,73 @@ def test_lucky_probes_that_leave_drafting_unpaid_come_ever_rarer() -> None:
         probes += k > 0
         policy.observe(draft_of(k), min(k, 1), None, None, chances=[0.2] * min(k, 1))
     assert probes <= 300 // AutoLength.MAX_PROBE_GAP + 4
+
+
+def test_a_translated_draft_is_priced_by_its_calls() -> None:
+    """A draft of another vocabulary takes several calls to draft one target token: a
+    k-token round is priced at that many calls a token, and the clock, which times
+    calls, keeps teaching a call's price (priced per target token, every timed round
+    taught that price down to a call's)."""
+    costs = Costs(0.01, 0.1, {n: 1.0 + 0.1 * (n - 1) for n in range(1, 18)}, calls_per_token=3.0)
+    policy = AutoLength(costs, 0, 8, uses_confidence=False)
+    call = 0.1 * 0.01
+    assert abs(policy.costs.of(2) - (2 * 3 * call + 1.2 * 0.01)) < 1e-12
+    for _ in range(200):
+        policy.observe(Draft(tokens=[1, 2], calls=6), 1, 6 * call, 1.2 * 0.01)
+    assert abs(policy.costs.draft_seconds - call) < 0.01 * call
+
+
+# A draft of another vocabulary on a GPU: a call costs half a target token, 3.5 calls
+# draft one, and a change of batch size costs a pass.
+GPU_TRANSLATED = Costs(
+    0.001, 0.45, {n: 1.0 + 0.07 * (n - 1) for n in range(1, 18)}, 1.0, calls_per_token=3.5
+)
+
+
+def wasted_share(policy: AutoLength, costs: Costs, rounds: int) -> float:
+    """Rounds in which nothing is ever accepted: the share of the time spent beyond
+    rounds without a draft (drafting, longer passes, two rebuilds a probe)."""
+    t, wasted = costs.target_seconds, 0.0
+    for _ in range(rounds):
+        k = policy.choose(100)
+        calls = round((k + 1) * costs.calls_per_token) if k else 0
+        seconds = (calls * costs.draft_over_target * t, costs.verify[k + 1] * t)
+        policy.observe(Draft(tokens=list(range(k)), calls=calls), 0, *seconds)
+        wasted += sum(seconds) - t + (2 * costs.switch * t if k else 0.0)
+    return wasted / (rounds * t)
+
+
+def test_probes_that_cost_many_rounds_come_rarely() -> None:
+    """Each probe here costs some six rounds without a draft: 64 rounds apart, probing
+    took a tenth of the time of a draft that never pays."""
+    policy = AutoLength(GPU_TRANSLATED, 0, 8, uses_confidence=False, prior=0.5)
+    assert wasted_share(policy, GPU_TRANSLATED, 3000) < 0.03
+
+
+def probe_rounds(policy: AutoLength, greedy: bool, rounds: int) -> list[int]:
+    """A generation in which nothing is accepted: the rounds that probed."""
+    policy.begin(greedy)
+    probes = []
+    for r in range(rounds):
+        k = policy.choose(100)
+        if k:
+            probes.append(r)
+        policy.observe(draft_of(k), 0, None, None)
+    return probes
+
+
+def test_greedy_generations_go_on_probing_where_the_last_left_off() -> None:
+    """A draft that stopped paying in one greedy generation is not probed afresh eight
+    rounds into the next (in a short generation on a GPU, that one probe cost more than
+    speculation could win). A sampled one starts afresh, as its seed must, and leaves
+    the greedy schedule as it was."""
+
+    def policy_of_a_useless_draft() -> AutoLength:
+        return AutoLength(GPU_TRANSLATED, 0, 8, uses_confidence=False, prior=0.5)
+
+    policy = policy_of_a_useless_draft()
+    fresh = probe_rounds(policy_of_a_useless_draft(), False, 40)
+    assert probe_rounds(policy, True, 200)[0] == fresh[0] < 10
+    assert probe_rounds(policy, True, 40) == []
+    assert probe_rounds(policy, False, 40) == fresh
+    assert min(probe_rounds(policy, True, 40), default=40) > fresh[0]

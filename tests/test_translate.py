@@ -353,7 +353,16 @@ def test_auto_prices_a_translated_draft_by_its_calls(
         calls = bytes_per_token(engine.model) / bytes_per_token(engine.translation.draft)
         costs = engine.costs()
         length = engine.make_decoder("model", "auto").length
-        priced = length.costs.draft_seconds / costs.target_seconds
+        round_costs = length.costs
     assert calls > 1.5
-    assert priced == pytest.approx(costs.draft_over_target * calls)
+    # A call keeps a call's price (the clock times calls); a round counts its calls.
+    assert round_costs.draft_seconds == pytest.approx(
+        costs.draft_over_target * costs.target_seconds
+    )
+    drafting = (
+        round_costs.of(2)
+        - round_costs.of(0)
+        - (costs.verify[3] - costs.verify[1]) * costs.target_seconds
+    )
+    assert drafting == pytest.approx(2 * calls * round_costs.draft_seconds)
     assert length.prior == TRANSLATED_PRIOR < AutoLength.PRIOR  # and starts less trusted

@@ -73,9 +73,13 @@ class Costs:
     """
 
     target_seconds: float
-    draft_over_target: float
+    draft_over_target: float  # a draft call (one token), over one target token
     verify: dict[int, float]
     switch: float = 0.0
+    # Draft calls that draft one target token: 1 with the target's vocabulary; more for
+    # a draft of another vocabulary, whose tokens are shorter (set by the policy, not
+    # measured: see Policy's costs for a drafter).
+    calls_per_token: float = 1.0
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -326,9 +326,10 @@ class Generation:
         decoder, stats = self.decoder, self.stats
         if decoder.drafter:
             decoder.drafter.begin(self.prompt, self.sampling)
-        for policy in (decoder.length, *decoder.lengths.values(), decoder.tree):
-            if policy:
-                policy.begin()
+        for length in (decoder.length, *decoder.lengths.values()):
+            length.begin(self.sampling.greedy)
+        if decoder.tree:
+            decoder.tree.begin()
         self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
         self._contexts = [decoder.target, self._draft_ctx] if self._draft_ctx else [decoder.target]
         self._verify_before = decoder.target.decode_seconds

@@ -13,6 +13,7 @@ probability at that point.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect
 from collections.abc import Iterator, Sequence
 from typing import Protocol
@@ -24,10 +25,11 @@ from specdec_cli.decoding.drafters import Draft
 class DraftLength(Protocol):
     uses_confidence: bool  # whether keep_drafting needs the draft's top probability
 
-    def begin(self) -> None:
+    def begin(self, greedy: bool = False) -> None:
         """A new generation: what the policy learnt is this generation's alone, so that
         a seed gives the same text in any generation (the draft lengths decide which
-        random numbers each token uses)."""
+        random numbers each token uses). A `greedy` one's text is the same whatever the
+        lengths: it may go on from what the last greedy generation learnt."""
         ...
 
     def choose(self, limit: int) -> int: ...
@@ -59,7 +61,7 @@ class FixedLength:
         self.p_min = p_min
         self.uses_confidence = p_min > 0.0
 
-    def begin(self) -> None:
+    def begin(self, greedy: bool = False) -> None:
         pass
 
     def choose(self, limit: int) -> int:
@@ -188,7 +190,8 @@ class RoundCosts:
 
     def __init__(self, costs: Costs) -> None:
         self.target_seconds = t = costs.target_seconds
-        self.draft_seconds = costs.draft_over_target * t
+        self.draft_seconds = costs.draft_over_target * t  # a draft call's
+        self.calls_per_token = costs.calls_per_token
         self.verify = costs.verify
         self.switch = costs.switch
         self.other_seconds = 0.0
@@ -198,8 +201,9 @@ class RoundCosts:
     def of(self, k: int, survive: float = 0.0) -> float:
         """Seconds for a round drafting k tokens (without a graph rebuild), when the
         previous round's draft was accepted whole with probability `survive`: then the
-        draft model has two tokens to catch up on instead of one."""
-        calls = k + survive if k else 0.0
+        draft model has two tokens to catch up on instead of one (each a target token's
+        worth of calls, for a draft of another vocabulary)."""
+        calls = (k + survive) * self.calls_per_token if k else 0.0
         drafting = calls * self.draft_seconds
         return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
 
@@ -293,6 +297,14 @@ class AutoLength:
     # brings the gap back.
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
+    # A probe that costs several rounds (beyond a round without a draft) is spaced as
+    # many times PROBE_GAP at least, and doubles on as far as keeps probing under
+    # PROBE_SHARE of the time (at most MOST_PROBE_GAP rounds apart): a draft of another
+    # vocabulary on a GPU, where one draft call costs half a target token, reads the
+    # text since its last probe and drafts 3-4 calls a target token, and the batch size
+    # changes twice (benchmarks/README.md, "On a GPU: Gemma 3 270M").
+    PROBE_SHARE = 0.02
+    MOST_PROBE_GAP = 1024
     PRIOR = 0.8  # the acceptance a fresh run starts from
 
     def __init__(
@@ -312,6 +324,8 @@ class AutoLength:
         self.uses_confidence = uses_confidence
         self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
+        # Where probing stood when the last greedy generation ended (see begin).
+        self._greedy, self._greedy_probes = False, (0, self.PROBE_GAP)
         # What the measured costs alone decide, the same at every generation's start:
         self.costs = RoundCosts(costs)
         self.ladder = self._useful_lengths()
@@ -322,16 +336,22 @@ class AutoLength:
         self._first_k = self._best_at(prior)
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self, greedy: bool = False) -> None:
         """Everything learnt starts again from the measured costs and the prior: the
         costs too, as a greedy generation learns them from the clock, and a sampled
-        generation after it must draft as it would alone."""
+        generation after it must draft as it would alone. But a greedy generation goes
+        on probing where the last greedy one left off: its text is the same whatever k,
+        and a draft that stopped paying must not be probed afresh at every request's
+        start (one probe in a short generation can cost more than speculation wins)."""
+        if self._greedy:
+            self._greedy_probes = (self._idle, self._probe_gap)
+        self._greedy = greedy
         self.costs = RoundCosts(self.measured)
         self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
         self.calibration = Calibration()
         self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
-        self._idle = 0  # rounds without a draft since the last probe
-        self._probe_gap = self.PROBE_GAP  # idle rounds before the next probe
+        # Rounds without a draft since the last probe, and before the next one.
+        self._idle, self._probe_gap = self._greedy_probes if greedy else (0, self.PROBE_GAP)
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
@@ -457,15 +477,29 @@ class AutoLength:
             for i, confidence in enumerate(draft.confidences[: min(n, chain + 1)]):
                 self.calibration.record(confidence, i < chain)
         self.positions.record(n, chain, self._plan > 0, chances)
-        self._after_probe(n)
+        self._after_probe(n, sum(seconds))
 
-    def _after_probe(self, n: int) -> None:
-        """The gap before the next probe, after a round that drafted n tokens."""
+    def _after_probe(self, n: int, seconds: float) -> None:
+        """The gap before the next probe, after a round that drafted n tokens and took
+        `seconds` (drafting and verification)."""
         if self._probing:
             self._probing = False
             estimates = self.positions.estimates(self.k_max)
-            pays = self._step(estimates, 0, self.k_max) > 0
-            gap = self.PROBE_GAP if pays else min(2 * self._probe_gap, self.MAX_PROBE_GAP)
-            self._probe_gap = gap
+            if self._step(estimates, 0, self.k_max) > 0:
+                self._probe_gap = self.PROBE_GAP
+                return
+            extra = self._probe_extra(seconds)
+            priced = min(math.ceil(extra / self.PROBE_SHARE), self.MOST_PROBE_GAP)
+            gap = max(2 * self._probe_gap, math.ceil(extra * self.PROBE_GAP))
+            self._probe_gap = min(gap, max(self.MAX_PROBE_GAP, priced))
         elif n:
             self._probe_gap = self.PROBE_GAP
+
+    def _probe_extra(self, seconds: float) -> float:
+        """What a probe that took `seconds` (drafting and verification) cost beyond a
+        round without a draft, in such rounds: the rebuilds to its batch size and back
+        counted."""
+        costs = self.costs
+        plain = costs.of(0)
+        rebuilds = 2 * costs.switch * costs.target_seconds
+        return max(0.0, (seconds + rebuilds + costs.other_seconds) / plain - 1.0)

@@ -133,6 +133,5 @@ class Policy:
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
         if self.models.translation is not None:
-            calls = self.models.translation.calls_per_token
-            return replace(costs, draft_over_target=costs.draft_over_target * calls)
+            return replace(costs, calls_per_token=self.models.translation.calls_per_token)
         return costs
