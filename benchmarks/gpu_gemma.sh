@@ -31,20 +31,8 @@ N=${N:-128}
 REPEAT=${REPEAT:-2}
 CLIENTS=${CLIENTS:-1,2,4,8}
 REQUESTS=${REQUESTS:-16}
-START=$SECONDS
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_budget.sh"
 mkdir -p "$WORK" "$OUT"
-
-say() { echo "=== [$((SECONDS - START)) s] $*"; }
-left() { echo $((BUDGET - (SECONDS - START))); }
-guarded() {  # run with what is left of the budget, less a margin; say when cut
-    local t=$(($(left) - 10))
-    if ((t < 20)); then say "SKIPPED (no time left): $*"; return 124; fi
-    say "\$ $*"
-    timeout "$t" "$@"
-    local rc=$?
-    ((rc == 124)) && say "CUT by the time budget: $*"
-    return $rc
-}
 
 start() {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

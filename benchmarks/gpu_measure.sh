@@ -37,8 +37,8 @@
 #   N, REPEAT tokens per generation and repeats of the prompt set for the benches [128, 3]
 #   KS        the -k list of the stories and qwen2 benches [1,2,4,8,auto]
 # To measure a commit while the working tree changes: git archive COMMIT specdec_cli
-# benchmarks tests/ggufgen.py into .gpu/tree, copy this script in, cd there and set
-# ASSETS to the checkout's .gpu (make_wide_target.py imports tests/ggufgen.py).
+# benchmarks tests/ggufgen.py into .gpu/tree, copy this script and gpu_budget.sh in, cd
+# there and set ASSETS to the checkout's .gpu (make_wide_target.py imports tests/ggufgen.py).
 # The machine needs nvcc (CUDA toolkit), cmake, ninja, scikit-build-core, numpy, typer,
 # rich, psutil, huggingface-hub, jinja2 in the python3 on PATH; no network.
 set -uo pipefail
@@ -54,7 +54,7 @@ REPEAT=${REPEAT:-3}
 KS=${KS:-1,2,4,8,auto}
 STAGES=${*:-build info stories qwen2 cpu curve trees}
 
-START=$SECONDS
+. "$(dirname "${BASH_SOURCE[0]}")/gpu_budget.sh"
 mkdir -p "$OUT" "$SITE"
 export PATH=/usr/local/cuda/bin:$PATH
 export PYTHONPATH=$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -66,25 +66,6 @@ TARGET=benchmarks/out/wide-target-q8_0.gguf
 DRAFT=$ASSETS/stories260K.gguf
 QT=benchmarks/out/qwen2-target-q8_0.gguf
 QD=benchmarks/out/qwen2-draft-q8_0.gguf
-
-left() { echo $((BUDGET - (SECONDS - START))); }
-say() { echo "=== [$((SECONDS - START)) s] $*"; }
-# run with what is left of the budget (minus a margin); say so when cut
-guarded() {
-    local t=$(($(left) - 8))
-    if ((t < 20)); then say "SKIPPED (no time left): $*"; return 124; fi
-    say "\$ $*"
-    timeout "$t" "$@"
-    local rc=$?
-    ((rc == 124)) && say "CUT by the time budget: $*"
-    return $rc
-}
-
-guarded_quiet() {  # guarded, without echoing the command
-    local t=$(($(left) - 8))
-    if ((t < 20)); then say "SKIPPED (no time left)"; return 124; fi
-    timeout "$t" "$@"
-}
 
 stage_build() {
     if ls "$SITE"/llama_cpp/lib/libggml-cuda* >/dev/null 2>&1; then

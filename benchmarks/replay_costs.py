@@ -39,14 +39,6 @@ from specdec_cli.llamacpp import llama
 Call = tuple[str, int]  # a decode call: the context's model file name, its tokens
 
 
-def costs_of(bench_json: Path) -> Costs:
-    c = json.loads(bench_json.read_text())["cost"]
-    verify = {int(n): float(v) for n, v in c["verify_cost"].items()}
-    return Costs(
-        c["target_ms_per_token"] / 1e3, c["draft_over_target"], verify, c["batch_size_switch_cost"]
-    )
-
-
 def record_calls(log: list[Call]) -> None:
     """Every decode call of every context, appended to `log`."""
     flush = llama._Shared.flush
@@ -102,7 +94,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2)
     args = parser.parse_args()
 
-    costs = costs_of(args.costs)
+    costs = Costs.from_dict(json.loads(args.costs.read_text())["cost"])
     plan_with(costs)
     calls: list[Call] = []
     chosen: list[int] = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -194,3 +195,10 @@ def test_measure_costs_of_one_token_only(contexts: tuple[Context, Context]) -> N
     target, _ = contexts
     costs = measure_costs(target, None, [1], reps=1)
     assert costs.verify == {1: 1.0} and costs.target_seconds > 0
+
+
+def test_costs_read_back_as_bench_writes_them() -> None:
+    """A bench's --json "cost" is Costs.to_dict: from_dict reads it back (replay_costs.py
+    plans with another machine's costs so)."""
+    costs = Costs(0.0012, 0.45, {1: 1.0, 2: 1.1, 3: 1.19}, 1.08)
+    assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs

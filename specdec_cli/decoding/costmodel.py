@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -88,6 +88,17 @@ class Costs:
             "verify_cost": {str(n): round(v, 4) for n, v in sorted(self.verify.items())},
             "batch_size_switch_cost": round(self.switch, 4),
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Costs:
+        """Costs as to_dict writes them (a `specdec bench --json` file's "cost")."""
+        verify = {int(n): float(v) for n, v in data["verify_cost"].items()}
+        return cls(
+            data["target_ms_per_token"] / 1e3,
+            data["draft_over_target"],
+            verify,
+            data["batch_size_switch_cost"],
+        )
 
 
 SETTLE = 3  # passes of one batch shape, the last timed as its steady cost

@@ -483,6 +483,15 @@ class _Growth:
 Match = tuple[list[int], list[int]]
 
 
+def remember_end(index: dict[tuple[int, ...], list[Any]], key: tuple[int, ...], end: Any) -> None:
+    """Add where n-gram `key` ended to `index`, which keeps each n-gram's latest
+    NgramDrafter.OCCURRENCES ends, the latest last."""
+    ends = index.setdefault(key, [])
+    ends.append(end)
+    if len(ends) > NgramDrafter.OCCURRENCES:
+        del ends[0]
+
+
 def ngrams_ending(
     tokens: Sequence[int], start: int, stop: int, n_min: int, n_max: int
 ) -> Iterator[tuple[tuple[int, ...], int]]:
@@ -517,10 +526,7 @@ class TextMemory:
         self._tokens += len(text)
         # n-grams ending at the last token have nothing after them to offer
         for key, end in ngrams_ending(text, 0, len(text) - 1, self.n_min, self.n_max):
-            ends = self._ends.setdefault(key, [])
-            ends.append((text_id, end))
-            if len(ends) > NgramDrafter.OCCURRENCES:
-                del ends[0]
+            remember_end(self._ends, key, (text_id, end))
         while self._tokens > self.max_tokens:
             self._forget(next(iter(self._texts)))
 
@@ -588,10 +594,7 @@ class NgramDrafter:
 
     def _index(self, tokens: list[int], upto: int) -> None:
         for key, end in ngrams_ending(tokens, self._indexed, upto, self.n_min, self.n_max):
-            ends = self._ends.setdefault(key, [])
-            ends.append(end)
-            if len(ends) > self.OCCURRENCES:
-                del ends[0]
+            remember_end(self._ends, key, end)
         self._indexed = max(self._indexed, upto)
 
     def sources(self, tokens: list[int]) -> list[str]:

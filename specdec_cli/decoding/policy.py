@@ -57,17 +57,15 @@ class Policy:
         target, draft_ctx = self.models.slots[slot], self.models.draft_slots[slot]
         if kind is None:
             return Decoder(target, None, sampling)
-        lookup = NgramDrafter(d.ngram_min, d.ngram_max, sampling.greedy, self.memory)
         if kind == "ngram":
-            drafter: Drafter = lookup
+            drafter: Drafter = self._lookup(d.ngram_min)
         elif draft_ctx is None:
             raise UserError("no draft model is loaded; pass one with -d")
         elif kind == "model":
             drafter = self.model_drafter(draft_ctx)
         else:
             # Next to a draft model, only longer matches are worth more than its guess.
-            n_min = max(d.ngram_min, LOOKUP_MIN_MATCH)
-            lookup = NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy, self.memory)
+            lookup = self._lookup(max(d.ngram_min, LOOKUP_MIN_MATCH))
             drafter = LookupThenModel(lookup, self.model_drafter(draft_ctx))
         # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.
@@ -83,6 +81,12 @@ class Policy:
         return Decoder(
             target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
         )
+
+    def _lookup(self, n_min: int) -> NgramDrafter:
+        """An n-gram lookup of n-grams from n_min long, looking in the server's recent
+        texts too."""
+        d, sampling = self.models.options.drafting, self.models.options.sampling
+        return NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy, self.memory)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""
