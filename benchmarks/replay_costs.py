@@ -1,10 +1,12 @@
-"""Greedy generations run here, priced and decided with another machine's costs.
+"""Generations run here, priced and decided with another machine's costs.
 
 `specdec bench --json` records the costs it measured (one target token, a draft call,
 the verification curve, a change of batch size). This script loads the models here,
 makes -k auto plan with those costs instead of its own, and stops it from following
 this machine's clock (every round is priced as modelled), so it chooses what it would
-have chosen there; greedy text is the same whatever it chooses. It then prices every
+have chosen there: greedy text is the same whatever it chooses, and a sampled round
+never follows the clock anyway (`--temp`: the same seed there draws the same text as
+here, the models' numerics aside). It then prices every
 decode call of each generation with those costs: the target's calls by the curve, a
 draft call at its price whatever its size, and a rebuild whenever a context's batch
 size changes. Time outside llama.cpp is left out. Per prompt: the modelled tok/s of
@@ -15,7 +17,7 @@ What a GPU spent on one bench (benchmarks/README.md, "On a GPU: Gemma 3 270M") c
 be weighed against the code since, on a machine without one:
 
     python benchmarks/replay_costs.py GPU_BENCH.json TARGET.gguf DRAFT.gguf \\
-        [--prompts benchmarks/stories.txt] [-k auto] [-n 128] [--repeat 2]
+        [--prompts benchmarks/stories.txt] [-k auto] [-n 128] [--repeat 2] [--temp 0.8]
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import numpy as np
 from specdec_cli.decoding import decode, draftlength
 from specdec_cli.decoding.costmodel import Costs, verify_cost
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.llamacpp import llama
@@ -92,6 +94,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=Path, default=Path(__file__).with_name("stories.txt"))
     parser.add_argument("-n", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--temp", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--seed", type=int, default=0, help="the first repeat's (sampling)")
     args = parser.parse_args()
 
     costs = Costs.from_dict(json.loads(args.costs.read_text())["cost"])
@@ -100,7 +104,8 @@ def main() -> None:
     chosen: list[int] = []
     record_calls(calls)
     record_choices(chosen)
-    options = EngineOptions(target=args.target, draft=args.draft, ngram=False, sampling=GREEDY)
+    sampling = SamplingParams(temp=args.temp) if args.temp > 0 else GREEDY
+    options = EngineOptions(target=args.target, draft=args.draft, ngram=False, sampling=sampling)
     engine = Engine(options)
     prompts = [line.rstrip("\n") for line in args.prompts.open() if line.strip()]
     decoders = {
@@ -108,14 +113,16 @@ def main() -> None:
         "drafted": engine.make_decoder("model", args.k),
     }
     rates: dict[tuple[int, str], list[float]] = {}
-    for _ in range(args.repeat):
+    for repeat in range(args.repeat):
         for i, text in enumerate(prompts):
             prompt = engine.tokenize(text)
             for name, decoder in decoders.items():
                 calls.clear()
                 n = sum(
                     len(r.tokens)
-                    for r in decoder.generate(prompt, args.n, np.random.default_rng(0), Stats())
+                    for r in decoder.generate(
+                        prompt, args.n, np.random.default_rng(args.seed + repeat), Stats()
+                    )
                 )
                 # the prompt's pass is the same for both: left out
                 rates.setdefault((i, name), []).append(

@@ -431,8 +431,46 @@ def test_greedy_generations_go_on_probing_where_the_last_left_off() -> None:
         return AutoLength(GPU_TRANSLATED, 0, 8, uses_confidence=False, prior=0.5)
 
     policy = policy_of_a_useless_draft()
-    fresh = probe_rounds(policy_of_a_useless_draft(), False, 40)
-    assert probe_rounds(policy, True, 200)[0] == fresh[0] < 10
-    assert probe_rounds(policy, True, 40) == []
-    assert probe_rounds(policy, False, 40) == fresh
-    assert min(probe_rounds(policy, True, 40), default=40) > fresh[0]
+    fresh = probe_rounds(policy_of_a_useless_draft(), False, 60)
+    assert fresh and probe_rounds(policy, True, 300)[0] == fresh[0]
+    assert probe_rounds(policy, True, 60) == []
+    assert probe_rounds(policy, False, 60) == fresh
+    assert probe_rounds(policy, True, 60) not in ([], fresh)  # on from where it was
+
+
+def test_a_fresh_schedule_spaces_its_first_probe_by_what_a_probe_costs() -> None:
+    """A probe of a translated draft on a GPU costs some five rounds without a draft
+    (drafting, catching up, two rebuilds): a generation's first probe waits as many
+    times PROBE_GAP, as the probes after it do. A cheap probe still comes after
+    PROBE_GAP rounds."""
+    expensive = probe_rounds(AutoLength(GPU_TRANSLATED, 0, 8, uses_confidence=False), False, 100)
+    assert expensive[0] >= 4 * AutoLength.PROBE_GAP
+    cheap = AutoLength(STEEP, 0, 8, uses_confidence=False, prior=0.1)
+    assert probe_rounds(cheap, False, 100)[0] == AutoLength.PROBE_GAP - 1
+
+
+def rounds_at_chance(chance: float, margin: float) -> list[int]:
+    """60 sampled rounds on STEEP costs whose tested tokens each had `chance`."""
+    policy = AutoLength(STEEP, 0, 8, uses_confidence=False, prior=0.5, margin=margin)
+    chosen = []
+    for _ in range(60):
+        chosen.append(k := policy.choose(100))
+        accepted = 1 if k > 1 else 0
+        policy.observe(draft_of(k), accepted, None, None, chances=[chance] * min(k, accepted + 1))
+    return chosen
+
+
+def test_drafting_that_promises_less_than_the_margin_stops() -> None:
+    """At a 0.42 chance every draft length promises about 1 % over no draft on STEEP
+    costs. With a margin (a drafter whose rounds cost more than priced), drafting stops;
+    without one, k stays where the prior left it (2), as no step promises MIN_GAIN over
+    staying."""
+    with_margin = rounds_at_chance(0.42, AutoLength.MIN_GAIN)
+    assert with_margin[0] > 0
+    assert sum(k > 0 for k in with_margin[20:]) <= 2  # a probe at most, after it stops
+    assert all(k > 0 for k in rounds_at_chance(0.42, 0.0))
+
+
+def test_drafting_that_promises_more_than_the_margin_goes_on() -> None:
+    """At a 0.6 chance k=2 promises a fifth more than no draft: the margin stops nothing."""
+    assert all(k > 0 for k in rounds_at_chance(0.6, AutoLength.MIN_GAIN))

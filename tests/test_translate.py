@@ -22,7 +22,7 @@ from test_slots import Job, parallel_engine, run_together
 
 from specdec_cli.decoding.drafters import Draft, merge_into_tree
 from specdec_cli.decoding.draftlength import AutoLength
-from specdec_cli.decoding.policy import TRANSLATED_PRIOR
+from specdec_cli.decoding.policy import TRANSLATED_MARGIN, TRANSLATED_PRIOR
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.translate import (
     SharedVocab,
@@ -323,7 +323,9 @@ def test_serve_and_bench_translate(shuffled: Path, stories260k: Path, tmp_path: 
     """A translated pair behind the server (greedy: the target's own text, its drafts
     taken) and in bench, which measures it like any pair."""
     reference = target_only(shuffled, "Once upon a time", 24)
-    server = start(tmp_path, "-m", str(shuffled), "-d", str(stories260k), "--temp", "0")
+    # -k 3: the same model on both sides, a draft as dear as the target: -k auto's first
+    # probe would come after more rounds than this request has.
+    server = start(tmp_path, "-m", str(shuffled), "-d", str(stories260k), "--temp", "0", "-k", "3")
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         out = client.completions.create(model="m", prompt="Once upon a time", max_tokens=24)
@@ -366,3 +368,4 @@ def test_auto_prices_a_translated_draft_by_its_calls(
     )
     assert drafting == pytest.approx(2 * calls * round_costs.draft_seconds)
     assert length.prior == TRANSLATED_PRIOR < AutoLength.PRIOR  # and starts less trusted
+    assert length.margin == TRANSLATED_MARGIN > 0  # and must promise more to go on

@@ -316,16 +316,19 @@ class AutoLength:
         uses_confidence: bool = True,
         decay: float = 0.93,
         prior: float = PRIOR,
+        margin: float = 0.0,
     ) -> None:
+        """`margin`: how much more than no draft drafting must promise to go on, for a
+        drafter whose rounds cost more than the costs price (0: drafting goes on while
+        it is the best choice, or within MIN_GAIN of it, as any k does)."""
         self.measured = costs
+        self.margin = margin
         # Never draft past the batch sizes whose cost is known.
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
         self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
-        # Where probing stood when the last greedy generation ended (see begin).
-        self._greedy, self._greedy_probes = False, (0, self.PROBE_GAP)
         # What the measured costs alone decide, the same at every generation's start:
         self.costs = RoundCosts(costs)
         self.ladder = self._useful_lengths()
@@ -334,6 +337,10 @@ class AutoLength:
         self._first_rung = min([n for n in self.ladder if n > 0], default=1)
         # The steady choice's start: the best k under the prior alone.
         self._first_k = self._best_at(prior)
+        # A fresh probing schedule: rounds without a draft so far, and before the first
+        # probe. Where the last greedy generation left its own (see begin).
+        self._fresh_probes = (0, self._first_probe_gap())
+        self._greedy, self._greedy_probes = False, self._fresh_probes
         self.begin()
 
     def begin(self, greedy: bool = False) -> None:
@@ -351,7 +358,7 @@ class AutoLength:
         self.calibration = Calibration()
         self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
         # Rounds without a draft since the last probe, and before the next one.
-        self._idle, self._probe_gap = self._greedy_probes if greedy else (0, self.PROBE_GAP)
+        self._idle, self._probe_gap = self._greedy_probes if greedy else self._fresh_probes
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
@@ -419,6 +426,10 @@ class AutoLength:
         rates = self.expected_rates(estimates, top)
         now = rates[k]
         rate, best = max((rates[n], n) for n in rungs)
+        if k and rungs[0] == 0 and rate < rates[0] * (1.0 + self.margin):
+            # Drafting that promises less than `margin` over none stops, whatever a
+            # change costs (no draft is never slower than the target alone).
+            return max(n for n in rungs if n < k)
         costs = self.costs
         gain = (rate - now) * costs.of(best)  # tokens a round
         rebuilds = 2 * costs.switch * costs.target_seconds * now  # tokens two rebuilds cost
@@ -494,6 +505,15 @@ class AutoLength:
             self._probe_gap = min(gap, max(self.MAX_PROBE_GAP, priced))
         elif n:
             self._probe_gap = self.PROBE_GAP
+
+    def _first_probe_gap(self) -> int:
+        """PROBE_GAP rounds, or as many times more as a probe costs rounds as the
+        measured costs price it (the shortest one, reading the text since the last in one
+        more call), as after a probe: a sampled generation starts its schedule afresh,
+        and on a GPU three probes at 8, 24 and 56 rounds cost a short one a tenth."""
+        costs = self.costs
+        seconds = costs.of(self._first_rung, survive=1.0) - costs.other_seconds
+        return max(self.PROBE_GAP, math.ceil(self._probe_extra(seconds) * self.PROBE_GAP))
 
     def _probe_extra(self, seconds: float) -> float:
         """What a probe that took `seconds` (drafting and verification) cost beyond a

@@ -34,6 +34,10 @@ VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see Ngra
 # ...and for a draft of another vocabulary, whose guesses reach the target through its
 # text (benchmarks/README.md, "Any draft for any target").
 TRANSLATED_PRIOR = 0.5
+# Such a draft's rounds cost more than its calls: both models' re-tokenization, and
+# catch-up calls of several tokens. Measured, they ran a few percent slower than priced,
+# so its drafting must promise this much over no draft to go on (AutoLength's margin).
+TRANSLATED_MARGIN = 0.05
 
 
 class Policy:
@@ -76,7 +80,10 @@ class Policy:
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
         translated = self.models.translation is not None and kind != "ngram"
-        length = self._draft_length(kind, k, TRANSLATED_PRIOR if translated else AutoLength.PRIOR)
+        prior, margin = (
+            (TRANSLATED_PRIOR, TRANSLATED_MARGIN) if translated else (AutoLength.PRIOR, 0.0)
+        )
+        length = self._draft_length(kind, k, prior, margin)
         policy = self._tree_policy(tree, kind)
         return Decoder(
             target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
@@ -95,9 +102,12 @@ class Policy:
             return ModelDrafter(ctx, sampling, self.models.model.n_vocab)
         return TranslatedDrafter(ModelDrafter(ctx, sampling), self.models.translation)
 
-    def _draft_length(self, kind: str, k: str, prior: float = AutoLength.PRIOR) -> DraftLength:
+    def _draft_length(
+        self, kind: str, k: str, prior: float = AutoLength.PRIOR, margin: float = 0.0
+    ) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
-        with what this drafter costs and starting from `prior` acceptance."""
+        with what this drafter costs and starting from `prior` acceptance (`margin`: see
+        AutoLength)."""
         d = self.models.options.drafting
         n = parse_k(k)
         if n is not None:
@@ -109,6 +119,7 @@ class Policy:
             d.p_min,
             uses_confidence=d.p_min > 0.0,
             prior=prior,
+            margin=margin,
         )
 
     def fits_tree(self, tree: str) -> bool:
