@@ -33,7 +33,7 @@ import numpy as np
 from specdec_cli.decoding import decode, draftlength
 from specdec_cli.decoding.costmodel import Costs, verify_cost
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.sampling import GREEDY, SamplingParams
+from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.llamacpp import llama
@@ -104,7 +104,7 @@ def main() -> None:
     chosen: list[int] = []
     record_calls(calls)
     record_choices(chosen)
-    sampling = SamplingParams(temp=args.temp) if args.temp > 0 else GREEDY
+    sampling = SamplingParams(temp=args.temp)  # greedy at 0
     options = EngineOptions(target=args.target, draft=args.draft, ngram=False, sampling=sampling)
     engine = Engine(options)
     prompts = [line.rstrip("\n") for line in args.prompts.open() if line.strip()]

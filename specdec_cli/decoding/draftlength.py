@@ -337,10 +337,14 @@ class AutoLength:
         self._first_rung = min([n for n in self.ladder if n > 0], default=1)
         # The steady choice's start: the best k under the prior alone.
         self._first_k = self._best_at(prior)
-        # A fresh probing schedule: rounds without a draft so far, and before the first
-        # probe. Where the last greedy generation left its own (see begin).
-        self._fresh_probes = (0, self._first_probe_gap())
-        self._greedy, self._greedy_probes = False, self._fresh_probes
+        # The gap before a fresh schedule's first probe, priced as the measured costs
+        # price a probe (the shortest, reading the text since the last one in one more
+        # call), as the gaps after a probe are: a sampled generation starts its schedule
+        # afresh, and on a GPU probes at 8, 24 and 56 rounds cost a 128-token one a tenth.
+        probe = self.costs.of(self._first_rung, survive=1.0) - self.costs.other_seconds
+        self._first_gap = self._priced_gap(self._probe_extra(probe))
+        # Where the last greedy generation left its schedule: idle rounds, and the gap.
+        self._greedy, self._greedy_probes = False, (0, self._first_gap)
         self.begin()
 
     def begin(self, greedy: bool = False) -> None:
@@ -358,7 +362,7 @@ class AutoLength:
         self.calibration = Calibration()
         self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
         # Rounds without a draft since the last probe, and before the next one.
-        self._idle, self._probe_gap = self._greedy_probes if greedy else self._fresh_probes
+        self._idle, self._probe_gap = self._greedy_probes if greedy else (0, self._first_gap)
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
@@ -501,19 +505,14 @@ class AutoLength:
                 return
             extra = self._probe_extra(seconds)
             priced = min(math.ceil(extra / self.PROBE_SHARE), self.MOST_PROBE_GAP)
-            gap = max(2 * self._probe_gap, math.ceil(extra * self.PROBE_GAP))
+            gap = max(2 * self._probe_gap, self._priced_gap(extra))
             self._probe_gap = min(gap, max(self.MAX_PROBE_GAP, priced))
         elif n:
             self._probe_gap = self.PROBE_GAP
 
-    def _first_probe_gap(self) -> int:
-        """PROBE_GAP rounds, or as many times more as a probe costs rounds as the
-        measured costs price it (the shortest one, reading the text since the last in one
-        more call), as after a probe: a sampled generation starts its schedule afresh,
-        and on a GPU three probes at 8, 24 and 56 rounds cost a short one a tenth."""
-        costs = self.costs
-        seconds = costs.of(self._first_rung, survive=1.0) - costs.other_seconds
-        return max(self.PROBE_GAP, math.ceil(self._probe_extra(seconds) * self.PROBE_GAP))
+    def _priced_gap(self, extra: float) -> int:
+        """PROBE_GAP rounds, or as many times more as a probe costs `extra` rounds."""
+        return max(self.PROBE_GAP, math.ceil(extra * self.PROBE_GAP))
 
     def _probe_extra(self, seconds: float) -> float:
         """What a probe that took `seconds` (drafting and verification) cost beyond a

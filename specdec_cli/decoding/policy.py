@@ -79,11 +79,10 @@ class Policy:
         if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
-        translated = self.models.translation is not None and kind != "ngram"
-        prior, margin = (
-            (TRANSLATED_PRIOR, TRANSLATED_MARGIN) if translated else (AutoLength.PRIOR, 0.0)
-        )
-        length = self._draft_length(kind, k, prior, margin)
+        if self.models.translation is not None and kind != "ngram":
+            length = self._draft_length(kind, k, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
+        else:
+            length = self._draft_length(kind, k)
         policy = self._tree_policy(tree, kind)
         return Decoder(
             target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
