@@ -55,11 +55,12 @@ from replay_draft_length import (  # noqa: E402
 from specdec_cli.commands.bench import BUILTIN_PROMPTS  # noqa: E402
 from specdec_cli.decoding.costmodel import Costs, verify_cost  # noqa: E402
 from specdec_cli.decoding.drafters import Draft, Drafter, NgramDrafter, propose  # noqa: E402
-from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength  # noqa: E402
+from specdec_cli.decoding.draftlength import DraftLength  # noqa: E402
 from specdec_cli.decoding.engine import Engine  # noqa: E402
+from specdec_cli.decoding.policy import Policy as DecoderPolicy  # noqa: E402
 from specdec_cli.decoding.sampling import verify_tree_greedy  # noqa: E402
 from specdec_cli.decoding.settings import AUTO_TREE_NODES, DraftOptions  # noqa: E402
-from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy  # noqa: E402
+from specdec_cli.decoding.treeshape import TreePolicy  # noqa: E402
 
 DEFAULT_TARGET = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
 MAX_K = DraftOptions().draft_max  # chains up to -k auto's longest draft (16)
@@ -106,16 +107,14 @@ class Policy:
         """Whether its rounds depend on the cost curve (it chooses from the costs)."""
         return self.k is None or self.tree == "auto"
 
-    def make(self, costs: Costs) -> tuple[DraftLength, TreePolicy | None]:
-        """Fresh policies, as one `specdec run -k K --tree T` makes them."""
-        length: DraftLength = (
-            FixedLength(self.k) if self.k else AutoLength(costs, 0, MAX_K, uses_confidence=False)
-        )
-        if self.tree is None:
-            return length, None
-        if self.tree == "auto":
-            return length, AutoTree(costs, AUTO_TREE_NODES)
-        return length, FixedTree(int(self.tree))
+    def make(
+        self, decoders: DecoderPolicy, kind: str, costs: Costs | None
+    ) -> tuple[DraftLength, TreePolicy | None]:
+        """Fresh policies, as one `specdec run -k K --tree T` makes them for a drafter of
+        `kind` (a translated draft's prior and margin included), priced with `costs`."""
+        length = decoders.draft_length(kind, str(self.k or "auto"), costs)
+        tree = None if self.tree is None else decoders.tree_policy(str(self.tree), kind, costs)
+        return length, tree
 
 
 def accepted_path(draft: Draft, truth: list[int]) -> list[int]:
@@ -173,17 +172,25 @@ def charge(rounds: Iterable[list[Round]], costs: Costs) -> tuple[int, int, float
 
 class Replay:
     """Every policy's rounds on the recorded texts, each replayed once: a policy that
-    does not read the costs drafts the same under every curve."""
+    does not read the costs drafts the same under every curve. `decoders` and `kind`
+    make the policies as the engine makes them for that drafter."""
 
-    def __init__(self, drafter: Drafter, texts: dict[str, tuple[list[int], list[int]]]):
+    def __init__(
+        self,
+        drafter: Drafter,
+        texts: dict[str, tuple[list[int], list[int]]],
+        decoders: DecoderPolicy,
+        kind: str,
+    ):
         self.drafter, self.texts = drafter, texts
+        self.decoders, self.kind = decoders, kind
         self._rounds: dict[tuple[Policy, str], list[list[Round]]] = {}
 
     def rounds(self, policy: Policy, curve: str, costs: Costs) -> list[list[Round]]:
         key = (policy, curve if policy.learns_costs else "")
         if key not in self._rounds:
             self._rounds[key] = [
-                simulate(self.drafter, prompt, text, *policy.make(costs))
+                simulate(self.drafter, prompt, text, *policy.make(self.decoders, self.kind, costs))
                 for prompt, text in self.texts.values()
             ]
         return self._rounds[key]
@@ -273,7 +280,7 @@ def main() -> None:
         if not lookup:  # the draft model, translated where its vocabulary is another
             assert engine.draft_ctx is not None
             drafter = engine.policy.model_drafter(engine.draft_ctx)
-        replay = Replay(drafter, texts)
+        replay = Replay(drafter, texts, engine.policy, "ngram" if lookup else "model")
         results = {name: judge(replay, name, costs) for name, costs in curves.items()}
     print(
         f"{args.target.name} + {Path(args.draft).name}: "

@@ -5,17 +5,21 @@ from __future__ import annotations
 import importlib.util
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import numpy as np
 import pytest
+from test_decode import open_engine
 
 from specdec_cli.decoding.drafters import Draft, ModelDrafter
+from specdec_cli.decoding.draftlength import AutoLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.decoding.treeshape import AutoTree
 
 N_PREDICT = 40
 
@@ -59,7 +63,36 @@ def test_replay_has_the_rounds_of_a_real_run(
             real = list(engine.decoder.generate(prompt, N_PREDICT, np.random.default_rng(0), stats))
             assert stats.stop_reason == "length"
             assert [t for r in real for t in r.tokens] == text
-            rounds = replay_tree.simulate(drafter, prompt, text, *policy.make(None))
+            made = policy.make(engine.policy, "model", None)
+            rounds = replay_tree.simulate(drafter, prompt, text, *made)
             assert [r.tokens for r in rounds] == [len(r.tokens) for r in real]
             assert Counter(r.batch for r in rounds) == stats.batch_sizes
             assert sum(r.calls for r in rounds) == stats.draft_calls
+
+
+def test_a_replayed_policy_is_the_engines_for_its_drafter(
+    replay_tree: ModuleType,
+    real_vocab_pair: Callable[[str], tuple[Path, Path]],
+    stories260k: Path,
+) -> None:
+    """A replay prices -k auto and --tree auto with a modelled curve, but otherwise makes
+    them as the engine does for its drafter: a translated draft's prior, margin and draft
+    calls a target token included (without them it drafted deeper than a run would)."""
+    memory = replay_tree.MODEL_CURVES["memory"]
+    with open_engine(real_vocab_pair("gemma-4")[0], stories260k, "auto") as engine:
+        assert engine.translation is not None
+        calls = engine.translation.calls_per_token
+        length, tree = replay_tree.Policy(None, "auto").make(engine.policy, "model", memory)
+        engines = engine.make_decoder("model", "auto").length
+    assert isinstance(length, AutoLength) and isinstance(engines, AutoLength)
+    assert (
+        (length.prior, length.margin)
+        == (engines.prior, engines.margin)
+        != (
+            AutoLength.PRIOR,
+            0.0,
+        )
+    )
+    assert length.costs.calls_per_token == engines.costs.calls_per_token == calls > 1.5
+    assert length.costs.verify == memory.verify  # the modelled curve, not the measured one
+    assert isinstance(tree, AutoTree) and tree.costs.calls_per_token == calls

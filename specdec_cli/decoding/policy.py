@@ -75,15 +75,12 @@ class Policy:
         # that copied text is accepted far longer than the model's guesses.
         auto = parse_k(k) is None
         own = kind == "model+ngram" and auto
-        lengths = {"ngram": self._draft_length("ngram", k)} if own else {}
+        lengths = {"ngram": self.draft_length("ngram", k)} if own else {}
         if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
-            lengths[NgramDrafter.VERBATIM_SOURCE] = self._draft_length("ngram", k, VERBATIM_PRIOR)
-        if self.models.translation is not None and kind != "ngram":
-            length = self._draft_length(kind, k, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
-        else:
-            length = self._draft_length(kind, k)
-        policy = self._tree_policy(tree, kind)
+            lengths[NgramDrafter.VERBATIM_SOURCE] = self._length("ngram", k, None, VERBATIM_PRIOR)
+        length = self.draft_length(kind, k)
+        policy = self.tree_policy(tree, kind)
         return Decoder(
             target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
         )
@@ -101,8 +98,20 @@ class Policy:
             return ModelDrafter(ctx, sampling, self.models.model.n_vocab)
         return TranslatedDrafter(ModelDrafter(ctx, sampling), self.models.translation)
 
-    def _draft_length(
-        self, kind: str, k: str, prior: float = AutoLength.PRIOR, margin: float = 0.0
+    def draft_length(self, kind: str, k: str, costs: Costs | None = None) -> DraftLength:
+        """-k as the policy a drafter of this kind drafts by, priced with `costs` (None:
+        the measured ones; a replay passes a modelled machine's)."""
+        if self.models.translation is not None and kind != "ngram":
+            return self._length(kind, k, costs, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
+        return self._length(kind, k, costs)
+
+    def _length(
+        self,
+        kind: str,
+        k: str,
+        costs: Costs | None,
+        prior: float = AutoLength.PRIOR,
+        margin: float = 0.0,
     ) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
         with what this drafter costs and starting from `prior` acceptance (`margin`: see
@@ -112,7 +121,7 @@ class Policy:
         if n is not None:
             return FixedLength(n, d.p_min)
         return AutoLength(
-            self._costs_for(kind),
+            self._costs_for(kind, costs),
             d.draft_min,
             d.draft_max,
             d.p_min,
@@ -127,7 +136,9 @@ class Policy:
         nodes = parse_tree(tree)
         return nodes is None or tree == "auto" or nodes <= self.models.tree_nodes
 
-    def _tree_policy(self, tree: str, kind: str) -> TreePolicy | None:
+    def tree_policy(self, tree: str, kind: str, costs: Costs | None = None) -> TreePolicy | None:
+        """--tree as the policy a drafter of this kind grows trees by (None: chains),
+        priced as draft_length prices it."""
         nodes = parse_tree(tree)
         if nodes is None or not self.models.tree_nodes:
             return None
@@ -136,14 +147,14 @@ class Policy:
                 f"--tree {tree} is wider than this engine was made for ({self.models.tree_nodes})"
             )
         if tree == "auto":
-            return AutoTree(self._costs_for(kind), min(nodes, self.models.tree_nodes))
+            return AutoTree(self._costs_for(kind, costs), min(nodes, self.models.tree_nodes))
         return FixedTree(nodes)
 
-    def _costs_for(self, kind: str) -> Costs:
-        """The measured costs as a drafter of this kind pays them: a lookup costs next
-        to nothing; a translated draft model takes as many draft calls a target token
-        as its tokens are shorter than the target's."""
-        costs = self.models.costs()
+    def _costs_for(self, kind: str, costs: Costs | None = None) -> Costs:
+        """The costs (None: the measured ones) as a drafter of this kind pays them: a
+        lookup costs next to nothing; a translated draft model takes as many draft calls
+        a target token as its tokens are shorter than the target's."""
+        costs = costs or self.models.costs()
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
         if self.models.translation is not None:
