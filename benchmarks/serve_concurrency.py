@@ -263,16 +263,18 @@ def one_request(
 
 
 def run_level(
-    port: int, setup: Setup, clients: int, args: argparse.Namespace
+    port: int, setup: Setup, clients: int, args: argparse.Namespace, first: int = 0
 ) -> list[RequestRecord]:
     """`--requests` requests, `clients` in flight at a time: each thread takes the next
-    request as soon as its last one ends, as a client with a backlog would."""
+    request as soon as its last one ends, as a client with a backlog would. The prompts
+    are cycled from the `first`."""
     prompts = args.prompts
     t0 = time.perf_counter()
 
     def send(i: int) -> RequestRecord:
-        body = request_body(setup, prompts[i % len(prompts)], args.n)
-        return one_request(args.host, port, body, i % len(prompts), t0, args.request_timeout)
+        index = (first + i) % len(prompts)
+        body = request_body(setup, prompts[index], args.n)
+        return one_request(args.host, port, body, index, t0, args.request_timeout)
 
     with ThreadPoolExecutor(max_workers=clients) as pool:
         return list(pool.map(send, range(args.requests)))
@@ -446,8 +448,10 @@ def measure(args: argparse.Namespace, setups: list[Setup], log_dir: Path) -> tup
         for setup in order:
             with running(setup, args, log_dir, f"r{repeat}") as port:
                 warm_up(port, setup, args)
+                first = 1 if args.fresh else 0  # --fresh: past the warm-up's prompt
                 for clients in args.clients:
-                    records = run_level(port, setup, clients, args)
+                    records = run_level(port, setup, clients, args, first)
+                    first += args.requests if args.fresh else 0
                     figures = level_figures(records)
                     results[(setup.name, clients)].append(figures)
                     raw.append(raw_entry(repeat, setup, clients, figures, records))
@@ -630,6 +634,11 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
 def add_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=client_counts, default=[1, 2, 4, 8], help="(1,2,4,8)")
     parser.add_argument("--requests", type=int, default=16, help="requests per level (16)")
+    parser.add_argument(
+        "--fresh", action="store_true", help="send no prompt twice to one server: each level "
+        "takes the next prompts (needs 1 + levels x requests of them, with --prompts), so a "
+        "server that remembers earlier texts drafts only from each request's own"
+    )  # fmt: skip
     parser.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="(128)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole grid (3)")
     parser.add_argument(
@@ -656,6 +665,11 @@ def without_nan(value: Any) -> Any:
 def main() -> None:
     args, parser = parse_args()
     args.prompts = read_prompts(args.prompts)
+    needed = 1 + len(args.clients) * args.requests
+    if args.fresh and len(args.prompts) < needed:
+        parser.error(
+            f"--fresh needs {needed} prompts (1 + levels x requests); give more with --prompts"
+        )
     setups = build_setups(args, parser)
     for setup in setups:
         extra = f"  body + {json.dumps(setup.body)}" if setup.body else ""
