@@ -30,7 +30,7 @@ anything else running changes the figures.
 
     python benchmarks/serve_concurrency.py --preset specdec -m TARGET -d DRAFT --parallel 4 \
         [--llama-server BIN] [--clients 1,2,4,8] [--requests 16] [-n 128] [--repeats 3] \
-        [--json out.json]
+        [--prompts FILE --fresh] [--vary-length] [--json out.json]
     python benchmarks/serve_concurrency.py --setup a='specdec serve -m T --port {port}' \
         --setup b='llama-server -m T --port {port}' --body a='{"speculative": false}'
 """
@@ -70,6 +70,8 @@ PROMPTS = [
     "Steps to make a cup of tea:\n1. Boil the water.\n2.",
 ]
 HEALTH_POLL_SECONDS = 0.25
+# --vary-length: a prompt's max_tokens is -n times one of these (mean 1), by its index.
+LENGTH_FACTORS = (0.75, 1.25, 0.875, 1.125, 1.0, 0.625, 1.375)
 WARMUP_TOKENS = 8
 
 
@@ -182,6 +184,14 @@ def running(setup: Setup, args: argparse.Namespace, log_dir: Path, tag: str) -> 
 # --- the clients -----------------------------------------------------------------------
 
 
+def max_tokens(prompt_index: int, args: argparse.Namespace) -> int:
+    """-n, or with --vary-length -n times the prompt's factor: the same prompt always
+    asks for as many tokens, so that its greedy texts can be compared."""
+    if not args.vary_length:
+        return args.n
+    return max(1, round(args.n * LENGTH_FACTORS[prompt_index % len(LENGTH_FACTORS)]))
+
+
 def request_body(setup: Setup, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": prompt,
@@ -273,7 +283,7 @@ def run_level(
 
     def send(i: int) -> RequestRecord:
         index = (first + i) % len(prompts)
-        body = request_body(setup, prompts[index], args.n)
+        body = request_body(setup, prompts[index], max_tokens(index, args))
         return one_request(args.host, port, body, index, t0, args.request_timeout)
 
     with ThreadPoolExecutor(max_workers=clients) as pool:
@@ -634,6 +644,12 @@ def add_setup_args(parser: argparse.ArgumentParser) -> None:
 def add_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--clients", type=client_counts, default=[1, 2, 4, 8], help="(1,2,4,8)")
     parser.add_argument("--requests", type=int, default=16, help="requests per level (16)")
+    parser.add_argument(
+        "--vary-length", action="store_true", help="each prompt asks for -n times a factor "
+        "of 0.625-1.375 (mean 1): requests then end at different times, as real ones do. "
+        "Of equal length, target-only slots run in step and never wait for a turnover, while "
+        "speculation makes requests end at different steps"
+    )  # fmt: skip
     parser.add_argument(
         "--fresh", action="store_true", help="send no prompt twice to one server: each level "
         "takes the next prompts (needs 1 + levels x requests of them, with --prompts), so a "
