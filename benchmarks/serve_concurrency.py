@@ -458,10 +458,10 @@ def measure(args: argparse.Namespace, setups: list[Setup], log_dir: Path) -> tup
         for setup in order:
             with running(setup, args, log_dir, f"r{repeat}") as port:
                 warm_up(port, setup, args)
-                first = 1 if args.fresh else 0  # --fresh: past the warm-up's prompt
-                for clients in args.clients:
+                for level, clients in enumerate(args.clients):
+                    # --fresh: each level its own prompts, past the warm-up's
+                    first = 1 + level * args.requests if args.fresh else 0
                     records = run_level(port, setup, clients, args, first)
-                    first += args.requests if args.fresh else 0
                     figures = level_figures(records)
                     results[(setup.name, clients)].append(figures)
                     raw.append(raw_entry(repeat, setup, clients, figures, records))

@@ -85,14 +85,8 @@ def test_a_replayed_policy_is_the_engines_for_its_drafter(
         length, tree = replay_tree.Policy(None, "auto").make(engine.policy, "model", memory)
         engines = engine.make_decoder("model", "auto").length
     assert isinstance(length, AutoLength) and isinstance(engines, AutoLength)
-    assert (
-        (length.prior, length.margin)
-        == (engines.prior, engines.margin)
-        != (
-            AutoLength.PRIOR,
-            0.0,
-        )
-    )
+    assert (length.prior, length.margin) == (engines.prior, engines.margin)
+    assert (length.prior, length.margin) != (AutoLength.PRIOR, 0.0)  # a translated draft's
     assert length.costs.calls_per_token == engines.costs.calls_per_token == calls > 1.5
     assert length.costs.verify == memory.verify  # the modelled curve, not the measured one
     assert isinstance(tree, AutoTree) and tree.costs.calls_per_token == calls

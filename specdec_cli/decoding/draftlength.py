@@ -341,7 +341,8 @@ class AutoLength:
         # price a probe (the shortest, reading the text since the last one in one more
         # call), as the gaps after a probe are: a sampled generation starts its schedule
         # afresh, and on a GPU probes at 8, 24 and 56 rounds cost a 128-token one a tenth.
-        probe = self.costs.of(self._first_rung, survive=1.0) - self.costs.other_seconds
+        # (Python's time per round is not known yet: `of` counts none of it.)
+        probe = self.costs.of(self._first_rung, survive=1.0)
         self._first_gap = self._priced_gap(self._probe_extra(probe))
         # Where the last greedy generation left its schedule: idle rounds, and the gap.
         self._greedy, self._greedy_probes = False, (0, self._first_gap)

@@ -154,7 +154,8 @@ class Policy:
         """The costs (None: the measured ones) as a drafter of this kind pays them: a
         lookup costs next to nothing; a translated draft model takes as many draft calls
         a target token as its tokens are shorter than the target's."""
-        costs = costs or self.models.costs()
+        if costs is None:
+            costs = self.models.costs()
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
         if self.models.translation is not None:
