@@ -3,8 +3,9 @@
 Each setup is a server command line. For each repeat and setup, the script starts the
 server on a free port, waits until `GET /health` answers 200, sends one short warm-up
 request, then for each client count C runs C threads that together send `--requests`
-streamed `POST /v1/completions` (greedy, prompts cycled), and stops the server (SIGINT,
-then kill). Per setup and C it reports:
+streamed `POST /v1/completions` (greedy, or with `--temp` sampled with the prompt's
+index as its seed; prompts cycled), and stops the server (SIGINT, then kill). Per
+setup and C it reports:
   - tok/s: all completion tokens of the level over its wall time (first send to last
     byte), what the server delivers in aggregate;
   - time per output token (TPOT), per request (last text chunk - first text chunk) /
@@ -15,9 +16,9 @@ per-repeat ratios, this setup's figure over the first's: above 1 is faster for t
 slower for TPOT; the machine's speed drifts between repeats, less between neighbours).
 The order of the setups alternates (ABC, CBA, ...) so that drift hits each alike.
 
-Correctness, cheaply: greedy texts for a prompt must be the same at every client count
-(and repeat) within a setup, and are compared with the first setup's; errors (non-200,
-a stream that breaks or ends without `[DONE]`) are counted.
+Correctness, cheaply: greedy (or seeded) texts for a prompt must be the same at every
+client count (and repeat) within a setup, and are compared with the first setup's;
+errors (non-200, a stream that breaks or ends without `[DONE]`) are counted.
 
 `--preset specdec` builds, from -m/-d/--parallel N: `p1` (`specdec serve --parallel 1`),
 `pN-off` (`--parallel N`, requests carry `"speculative": false`) and `pN-on`
@@ -192,15 +193,19 @@ def max_tokens(prompt_index: int, args: argparse.Namespace) -> int:
     return max(1, round(args.n * LENGTH_FACTORS[prompt_index % len(LENGTH_FACTORS)]))
 
 
-def request_body(setup: Setup, prompt: str, max_tokens: int) -> dict[str, Any]:
+def request_body(
+    setup: Setup, prompt: str, max_tokens: int, temp: float = 0.0, seed: int = 0
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": prompt,
         "max_tokens": max_tokens,
-        "temperature": 0,
+        "temperature": temp,
         "stream": True,
         # Asks for `usage` in the last chunk: llama-server sends it only when asked.
         "stream_options": {"include_usage": True},
     }
+    if temp > 0:
+        body["seed"] = seed
     return body | setup.body
 
 
@@ -283,7 +288,7 @@ def run_level(
 
     def send(i: int) -> RequestRecord:
         index = (first + i) % len(prompts)
-        body = request_body(setup, prompts[index], max_tokens(index, args))
+        body = request_body(setup, prompts[index], max_tokens(index, args), args.temp, index)
         return one_request(args.host, port, body, index, t0, args.request_timeout)
 
     with ThreadPoolExecutor(max_workers=clients) as pool:
@@ -292,7 +297,7 @@ def run_level(
 
 def warm_up(port: int, setup: Setup, args: argparse.Namespace) -> None:
     """One short request first: a server's first generation can pay one-off costs."""
-    body = request_body(setup, args.prompts[0], WARMUP_TOKENS)
+    body = request_body(setup, args.prompts[0], WARMUP_TOKENS, args.temp)
     record = one_request(args.host, port, body, 0, time.perf_counter(), args.request_timeout)
     if record.error:
         print(f"warning: {setup.name}: the warm-up failed: {record.error}", file=sys.stderr)
@@ -543,9 +548,13 @@ def print_table(rows: list[dict], first: str) -> None:
         )
 
 
-def greedy_texts(raw: list[dict], setups: list[Setup]) -> dict[str, dict[int, set[str]]]:
-    """Per setup, per prompt: every text a greedy request got, at any level and repeat."""
-    greedy = {s.name for s in setups if request_body(s, "", 1).get("temperature") == 0}
+def repeatable_texts(
+    raw: list[dict], setups: list[Setup], temp: float
+) -> dict[str, dict[int, set[str]]]:
+    """Per setup, per prompt: every text a greedy or seeded request got, at any level
+    and repeat."""
+    bodies = {s.name: request_body(s, "", 1, temp) for s in setups}
+    greedy = {name for name, b in bodies.items() if b.get("temperature") == 0 or "seed" in b}
     texts: dict[str, dict[int, set[str]]] = {name: {} for name in greedy}
     for entry in raw:
         if entry["setup"] not in greedy:
@@ -556,8 +565,8 @@ def greedy_texts(raw: list[dict], setups: list[Setup]) -> dict[str, dict[int, se
     return texts
 
 
-def consistency(raw: list[dict], setups: list[Setup]) -> dict[str, dict[str, Any]]:
-    texts = greedy_texts(raw, setups)
+def consistency(raw: list[dict], setups: list[Setup], temp: float) -> dict[str, dict[str, Any]]:
+    texts = repeatable_texts(raw, setups, temp)
     reference = texts.get(setups[0].name, {})
     facts = {}
     for name, by_prompt in texts.items():
@@ -572,12 +581,12 @@ def print_consistency(facts: dict[str, dict[str, Any]], setups: list[Setup], raw
     for setup in setups:
         errors = sum(entry["errors"] for entry in raw if entry["setup"] == setup.name)
         if setup.name not in facts:
-            print(f"{setup.name}: not greedy, texts not compared; {errors} errors", end="")
+            print(f"{setup.name}: not seeded, texts not compared; {errors} errors", end="")
             print(first_error(raw, setup))
             continue
         fact = facts[setup.name]
         same = "identical" if not fact["varying"] else f"DIFFER for prompts {fact['varying']}"
-        line = f"{setup.name}: greedy texts across client counts and repeats {same}"
+        line = f"{setup.name}: texts across client counts and repeats {same}"
         if setup.name != first and first in facts:
             unlike = fact["unlike_first"]
             line += f"; as {first}'s: " + ("yes" if not unlike else f"NO for prompts {unlike}")
@@ -658,6 +667,9 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="(128)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole grid (3)")
     parser.add_argument(
+        "--temp", type=float, default=0.0, help="sample at T, seeded by prompt (0: greedy)"
+    )
+    parser.add_argument(
         "--prompts", type=Path, help="a prompt a line, \\n for newlines (default: 8 built in)"
     )
     parser.add_argument("--host", default="127.0.0.1")
@@ -700,7 +712,7 @@ def main() -> None:
     print()
     print_table(rows, setups[0].name)
     print()
-    facts = consistency(raw, setups)
+    facts = consistency(raw, setups, args.temp)
     print_consistency(facts, setups, raw)
     if args.json:
         record = {

@@ -163,6 +163,23 @@ def test_text_equals_target_only_and_summary_is_one_line(
     assert quiet.stderr == "" and quiet.stdout == alone.stdout
 
 
+def test_coupled_sampled_text_equals_target_only(target_model: Path, draft_model: Path) -> None:
+    """--coupled: a seed's sampled text is the same with a draft as without one; the
+    control, without --coupled, differs."""
+    args = ["-p", "Once upon a time", "-n", "32", "--temp", "1", "--seed", "4", "-q"]
+    alone, spec, uncoupled = (
+        specdec("run", "-m", str(target_model), *more, *args)
+        for more in (
+            ["--coupled"],
+            ["-d", str(draft_model), "--coupled"],
+            ["-d", str(draft_model)],
+        )
+    )
+    assert alone.returncode == spec.returncode == uncoupled.returncode == 0
+    assert spec.stdout == alone.stdout and spec.stdout.strip()
+    assert uncoupled.stdout != alone.stdout
+
+
 def test_prompt_from_stdin(target_model: Path) -> None:
     from_flag = specdec(
         "run", "-m", str(target_model), "-p", "Once upon a time", "-n", "10", *GREEDY

@@ -342,7 +342,7 @@ class WrongDrafter:
     def __init__(self, reference: list[int], n_prompt: int, n_vocab: int) -> None:
         self.reference, self.n_prompt, self.n_vocab = reference, n_prompt, n_vocab
 
-    def begin(self, prompt: list[int], sampling=None) -> None:
+    def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
         pass
 
     def drafting(
@@ -471,6 +471,36 @@ def first_tokens(engine: Engine, seeds: range, decoder: Decoder | None = None) -
     return np.array(rows)
 
 
+COUPLED = replace(SAMPLING, coupled=True)
+
+
+@pytest.mark.usefixtures("moderate_costs")
+def test_a_coupled_text_is_the_same_whatever_the_draft(
+    target_model: Path, draft_model: Path, fixture_reference: list[int]
+) -> None:
+    """Coupled sampling fixes each position's draw before anything is drafted: for a
+    seed, every drafter, length and tree gives the target-only text, and drafts are
+    still taken. The controls: another seed, or rejection sampling, gives another text."""
+    with open_engine(target_model, sampling=COUPLED) as engine:
+        references = [generate(engine, 48, seed)[0] for seed in (1, 2)]
+    assert references[0] != references[1] and fixture_reference[:48] not in references
+    with open_engine(target_model, draft_model, 4, COUPLED) as engine:
+        for drafter, k, tree in [
+            ("model", "4", "off"),
+            ("model", "auto", "auto"),
+            ("model", "2", "12"),
+            ("ngram", "3", "8"),
+            ("model+ngram", "auto", "off"),
+        ]:
+            decoder = engine.make_decoder(drafter, k, tree)
+            for seed, reference in zip((1, 2), references, strict=True):
+                out, stats = generate(engine, 48, seed, decoder)
+                assert out == reference, (drafter, k, tree, seed)
+                assert stats.accepted > 0
+        rejection = generate(engine, 48, 1, sampling=SAMPLING)[0]
+    assert rejection != references[0]
+
+
 def test_sampling_seeded_runs_are_reproducible(target_model: Path, draft_model: Path) -> None:
     with open_engine(target_model, draft_model, 4, SAMPLING) as engine:
         a, b = generate(engine, 40, seed=11)[0], generate(engine, 40, seed=11)[0]
@@ -479,13 +509,15 @@ def test_sampling_seeded_runs_are_reproducible(target_model: Path, draft_model: 
     assert a != c
 
 
-@pytest.mark.parametrize(("sampling", "timed"), [(SAMPLING, False), (GREEDY, True)])
-def test_only_greedy_rounds_are_timed_for_auto(
+@pytest.mark.parametrize(
+    ("sampling", "timed"), [(SAMPLING, False), (GREEDY, True), (COUPLED, True)]
+)
+def test_only_invariant_rounds_are_timed_for_auto(
     target_model: Path, draft_model: Path, sampling: SamplingParams, timed: bool
 ) -> None:
-    """-k auto must not follow the clock when sampling (k decides which random numbers
-    each token uses: a seed would no longer reproduce the text); greedy text is the
-    same whatever k, so there it may."""
+    """-k auto must not follow the clock when rejection sampling (k decides which
+    random numbers each token uses: a seed would no longer reproduce the text); greedy
+    and coupled texts are the same whatever k, so there it may."""
     with open_engine(target_model, draft_model, "auto", sampling) as engine:
         decoder = engine.make_decoder("model", "auto")
         seen: list[tuple[float | None, float | None]] = []
@@ -510,16 +542,18 @@ def sampled_baseline(target_model: Path) -> np.ndarray:
 
 @pytest.mark.usefixtures("moderate_costs")
 @pytest.mark.parametrize(
-    ("drafter", "k", "tree"),
+    ("drafter", "k", "tree", "sampling"),
     [
-        ("model", "4", "off"),
-        ("model", "auto", "off"),
-        ("ngram", "3", "off"),
-        ("ngram", "auto", "off"),
-        ("model+ngram", "3", "off"),
-        ("model", "3", "8"),  # sampled first children, point-mass alternatives
-        ("model", "2", "12"),
-        ("ngram", "3", "8"),  # several earlier continuations
+        ("model", "4", "off", SAMPLING),
+        ("model", "auto", "off", SAMPLING),
+        ("ngram", "3", "off", SAMPLING),
+        ("ngram", "auto", "off", SAMPLING),
+        ("model+ngram", "3", "off", SAMPLING),
+        ("model", "3", "8", SAMPLING),  # sampled first children, point-mass alternatives
+        ("model", "2", "12", SAMPLING),
+        ("ngram", "3", "8", SAMPLING),  # several earlier continuations
+        ("model", "4", "off", COUPLED),
+        ("model", "2", "12", COUPLED),
     ],
 )
 def test_sampling_matches_target_distribution(
@@ -529,9 +563,11 @@ def test_sampling_matches_target_distribution(
     drafter: str,
     k: str,
     tree: str,
+    sampling: SamplingParams,
 ) -> None:
-    """The first tokens of thousands of seeded runs: speculative vs target-only."""
-    with open_engine(target_model, draft_model, 4, SAMPLING, tree=tree) as engine:
+    """The first tokens of thousands of seeded runs: speculative vs target-only (by
+    rejection sampling, which coupled sampling must match too)."""
+    with open_engine(target_model, draft_model, 4, sampling, tree=tree) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS), decoder)
         stats = Stats()

@@ -25,7 +25,7 @@ class StandInModel:
     def __init__(self, guess) -> None:
         self.guess = guess
 
-    def begin(self, prompt: list[int], sampling=None) -> None:
+    def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
         pass
 
     def drafting(self, tokens, k, rng, keep_drafting=None, shape=None) -> DraftSteps:
@@ -161,7 +161,7 @@ def test_a_lookup_with_a_memory_finds_an_earlier_generations_text() -> None:
     for text, k, guess in (([7, 3, 9, 3], 1, [9]), ([7, 2, 3], 2, [4, 5])):
         lookup.begin(text)
         assert propose(lookup, text, k, RNG).tokens == guess
-    sampled = NgramDrafter(1, 4, greedy=False, memory=memory)
+    sampled = NgramDrafter(1, 4, invariant=False, memory=memory)
     sampled.begin([1, 2, 3])
     assert propose(sampled, [1, 2, 3], 3, RNG).tokens == []
     for start in range(100, 160, 20):  # 60 more tokens: the first text is forgotten

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from scipy.stats import chisquare
+from scipy.stats import chi2_contingency, chisquare
 
 from specdec_cli.decoding import sampling
 from specdec_cli.decoding.sampling import (
     NEAR_MARGINS,
     DenseDist,
     Dist,
+    Noise,
     SamplingParams,
     chain_parents,
     distribution,
+    overlap,
     residual,
     top_k_ids,
     verify_tree_greedy,
@@ -386,3 +388,58 @@ def test_residual_at_real_size(p_setting: str, q_setting: str) -> None:
     assert type(r) is type(p)
     assert np.abs(dense(r, n) - expected).sum() < 1e-5  # total variation
     assert not np.any(dense(r, n)[expected == 0]), "residual outside max(0, p - q)"
+
+
+N_KEYS = 20_000
+
+
+def coupled_draws(dist: Dist, position: int, n: int = 1, keys: range = range(N_KEYS)) -> np.ndarray:
+    """The race's first n at `position`, one row per key."""
+    return np.array([Noise(key).ranked(dist, position, n) for key in keys])
+
+
+def test_coupled_draws_follow_the_distribution() -> None:
+    """The race's winner is a draw from p, and its runner-up a draw from p without the
+    winner: P(second = y) = sum over x != y of p(x) p(y) / (1 - p(x))."""
+    p = random_dist(np.random.default_rng(3), SamplingParams(temp=1.0, top_k=0, min_p=0.0))
+    draws = coupled_draws(p, position=17, n=2)
+    dense_p = dense(p)
+    counts = np.bincount(draws[:, 0], minlength=N_VOCAB)
+    assert chisquare(counts[p.ids], dense_p[p.ids] * N_KEYS).pvalue > P_VALUE
+    pairs = dense_p[:, None] * dense_p[None, :] / (1.0 - dense_p[:, None])
+    np.fill_diagonal(pairs, 0.0)
+    second = np.bincount(draws[:, 1], minlength=N_VOCAB)
+    assert chisquare(second[p.ids], pairs.sum(axis=0)[p.ids] * N_KEYS).pvalue > P_VALUE
+    # The control: the winners are no draw from a slightly sharper distribution.
+    sharper = dense_p[p.ids] ** 1.2 / (dense_p[p.ids] ** 1.2).sum()
+    assert chisquare(counts[p.ids], sharper * N_KEYS).pvalue < P_VALUE
+
+
+def test_coupled_positions_are_independent() -> None:
+    """Two positions of one key draw independently (a contingency table of the pairs),
+    and the same position twice does not (the control)."""
+    p = Dist(np.arange(4), np.array([0.4, 0.3, 0.2, 0.1]))
+    keys = range(5_000)
+    first, second, again = (coupled_draws(p, pos, keys=keys)[:, 0] for pos in (5, 6, 5))
+    table = np.zeros((4, 4))
+    np.add.at(table, (first, second), 1)
+    assert chi2_contingency(table).pvalue > P_VALUE
+    same = np.zeros((4, 4))
+    np.add.at(same, (first, again), 1)
+    assert chi2_contingency(same).pvalue < P_VALUE
+
+
+def test_coupled_draws_agree_as_the_distributions_do() -> None:
+    """Draft and target race with the same noise: identical distributions always agree,
+    and a point guess wins exactly as often as the target gives it (a lookup loses
+    nothing to coupling); two different distributions agree less often."""
+    rng = np.random.default_rng(5)
+    params = SamplingParams(temp=1.0, top_k=0, min_p=0.0)
+    p, q = random_dist(rng, params), random_dist(rng, params)
+    keys = range(4_000)
+    target = coupled_draws(p, 9, keys=keys)[:, 0]
+    assert np.array_equal(coupled_draws(p, 9, keys=keys)[:, 0], target)
+    guess = int(p.ids[np.argmax(p.probs)])
+    assert abs(np.mean(target == guess) - p.prob(guess)) < 0.03
+    agree = np.mean(coupled_draws(q, 9, keys=keys)[:, 0] == target)
+    assert agree < overlap(p, q) + 0.03

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 
@@ -196,6 +196,32 @@ def test_seeded_sampling_is_the_same_streamed_or_not(client: openai.OpenAI) -> N
     text = "".join(c.choices[0].delta.content or "" for c in streamed)
     assert text == whole.choices[0].message.content
     assert whole.choices[0].message.role == "assistant"
+
+
+def test_a_seeded_sampled_text_does_not_depend_on_its_drafts(
+    client: openai.OpenAI, target_model: Path
+) -> None:
+    """With several slots a sampled request is coupled (SamplingParams.coupled): for a
+    seed, the same text whatever it drafts, and the target's alone (`run --coupled`)."""
+    texts = [
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=N,
+            temperature=1.0,
+            seed=5,
+            extra_body={"speculative": {"k": k}},
+        )
+        .choices[0]
+        .text
+        for k in (1, 3)
+    ]
+    sampling = SamplingParams(temp=1.0, coupled=True)
+    options = EngineOptions(target=target_model, sampling=sampling, threads=1, flash_attn="off")
+    with Engine(options) as engine:
+        rng, prompt = np.random.default_rng(5), engine.tokenize(PROMPT)
+        alone = "".join(p.text for p in engine.pieces(prompt, N, rng, Stats()))
+    assert texts == [alone, alone]
 
 
 def test_sampling_settings_are_per_request(http: httpx.Client, greedy) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_decode import PROMPT, SAMPLING, open_engine
+from test_decode import COUPLED, PROMPT, SAMPLING, open_engine
 
 from specdec_cli.decoding import scheduler as scheduler_module
 from specdec_cli.decoding.costmodel import Costs
@@ -88,12 +88,14 @@ def parallel_engine(
     return Engine(replace(options, sampling=sampling, drafting=drafting))
 
 
-def test_greedy_slots_equal_each_generation_alone(
-    target_model: Path, draft_model: Path, moderate_costs: None
+@pytest.mark.parametrize("sampling", [GREEDY, COUPLED], ids=["greedy", "coupled"])
+def test_slots_equal_each_generation_alone(
+    target_model: Path, draft_model: Path, moderate_costs: None, sampling: SamplingParams
 ) -> None:
     """Four slots, four ways of drafting (model with lookup and a tree, a model chain at
     k=3, n-gram lookup, none), prompts that share a start, one read in chunks while the
-    others generate, and one joining late: each text is the target's alone."""
+    others generate, and one joining late: each text is the target's alone, greedy or
+    coupled (whose -k auto drafts are fitted to the batch as greedy ones are)."""
     with parallel_engine(target_model, draft_model, 4, k="auto", tree="auto") as engine:
         short, long = engine.tokenize(PROMPT), engine.tokenize(LONG_PROMPT)
         other = engine.tokenize(PROMPT + " the little dog")
@@ -103,6 +105,7 @@ def test_greedy_slots_equal_each_generation_alone(
             Job(engine.make_decoder("ngram", "auto", "auto", slot=2), long, start_at=3),
             Job(engine.make_decoder(None, "auto", slot=3), short, n_predict=25, start_at=7),
         ]
+        jobs = [replace(job, sampling=sampling, seed=i) for i, job in enumerate(jobs)]
         together = run_together(jobs, budget=16)
     for job, tokens in zip(jobs, together, strict=True):
         assert tokens == alone(target_model, job)
@@ -384,17 +387,19 @@ def test_batch_speculation_finds_out_sparingly() -> None:
     assert not any(four[: most * block]) and any(four)
 
 
+@pytest.mark.parametrize("sampling", [GREEDY, COUPLED], ids=["greedy", "coupled"])
 def test_a_step_without_speculation_drops_only_the_drafts_it_may(
-    target_model: Path, draft_model: Path, moderate_costs: None
+    target_model: Path, draft_model: Path, moderate_costs: None, sampling: SamplingParams
 ) -> None:
-    """speculate=False: greedy -k auto slots draft nothing, a -k 3 slot still does, and
-    every text is still the target's alone."""
+    """speculate=False: greedy or coupled -k auto slots draft nothing, a -k 3 slot
+    still does, and every text is still the target's alone."""
     with parallel_engine(target_model, draft_model, 2, k="auto", tree="off") as engine:
         prompt = engine.tokenize(PROMPT)
-        auto = engine.decoders[0].start(prompt, 24, np.random.default_rng(0), Stats())
+        rng = np.random.default_rng
+        auto = engine.decoders[0].start(prompt, 24, rng(0), Stats(), sampling)
         fixed_decoder = engine.make_decoder("model", "3", "off", slot=1)
         # Longer: the auto slot must never run alone (a slot alone drafts as it likes).
-        fixed = fixed_decoder.start(prompt, 120, np.random.default_rng(0), Stats())
+        fixed = fixed_decoder.start(prompt, 120, rng(0), Stats(), sampling)
         outs: list[list[int]] = [[], []]
         while not (auto.finished and fixed.finished):
             running = [g for g in (auto, fixed) if not g.finished]
@@ -403,7 +408,7 @@ def test_a_step_without_speculation_drops_only_the_drafts_it_may(
                 if g in running and g.round:
                     outs[i] += g.round.tokens
         assert auto.stats.drafted == 0 and fixed.stats.drafted > 0
-    reference = alone(target_model, Job(engine.decoders[0], prompt, 120))
+    reference = alone(target_model, Job(engine.decoders[0], prompt, 120, sampling))
     assert outs == [reference[:24], reference]
 
 

@@ -15,7 +15,7 @@ from gguf import GGUFValue
 from ggufgen import read_f32_model, write_gguf
 from scipy.stats import chi2_contingency
 from test_cli_run import specdec
-from test_decode import N_FIRST, SAMPLING, contingency, generate, open_engine
+from test_decode import COUPLED, N_FIRST, SAMPLING, contingency, generate, open_engine
 from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
 from test_slots import Job, parallel_engine, run_together
@@ -186,6 +186,18 @@ def test_greedy_translated_equals_target_only(
         out, stats = generate(engine, 48, decoder=decoder, prompt=engine.tokenize(PROMPT))
     assert out == reference
     assert stats.acceptance_rate > 0.8  # the draft is the target: nearly all is taken
+
+
+def test_a_coupled_translated_text_is_the_target_onlys(shuffled: Path, stories260k: Path) -> None:
+    """Coupled, a translated draft proposes its likeliest text (the noise is keyed by
+    the target's tokens): the target's draws decide, and the text is target-only's."""
+    with open_engine(shuffled, sampling=COUPLED) as engine:
+        reference = generate(engine, 48, seed=3, prompt=engine.tokenize(PROMPT))[0]
+    with open_engine(shuffled, stories260k, "3", COUPLED) as engine:
+        decoder = engine.make_decoder("model", "3")
+        out, stats = generate(engine, 48, 3, decoder, engine.tokenize(PROMPT))
+    assert out == reference
+    assert stats.accepted > 0
 
 
 def test_translated_slots_draft_together(shuffled: Path, stories260k: Path) -> None:

@@ -37,6 +37,7 @@ from specdec_cli.commands.display import (
 from specdec_cli.commands.options import (
     MODEL_HELP,
     ConfigOpt,
+    CoupledOpt,
     DraftsOpt,
     EngineFlags,
     FlagValues,
@@ -227,6 +228,7 @@ def run(
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
+    coupled: CoupledOpt = None,
     seed: Annotated[
         int | None,
         typer.Option(
@@ -375,6 +377,7 @@ def bench(
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
+    coupled: CoupledOpt = None,
     seed: Annotated[
         int | None,
         typer.Option(
@@ -602,6 +605,7 @@ def serve(
     top_k: TopKOpt = None,
     top_p: TopPOpt = None,
     min_p: MinPOpt = None,
+    coupled: CoupledOpt = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
@@ -644,7 +648,13 @@ def serve(
     given["chat"] = chat_format(**chat_flags)
     serve_options = ServeOptions(**given)
     drafting = replace(options.drafting, ngram_memory=serve_options.ngram_memory)
-    run_server(replace(options, parallel=serve_options.parallel, drafting=drafting), serve_options)
+    # Beside other requests, a sampled one is coupled unless told not to: then its text
+    # does not depend on its drafts, and they may be fitted to the batch.
+    sampling = replace(options.sampling, coupled=first_given(coupled, serve_options.parallel > 1))
+    options = replace(
+        options, parallel=serve_options.parallel, drafting=drafting, sampling=sampling
+    )
+    run_server(options, serve_options)
 
 
 @app.command()

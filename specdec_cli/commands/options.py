@@ -278,6 +278,18 @@ MinPOpt = Annotated[
         ),
     ),
 ]
+CoupledOpt = Annotated[
+    bool | None,
+    typer.Option(
+        "--coupled/--no-coupled",
+        help=(
+            "Sample with noise keyed by the seed and the position, which the draft shares:"
+            " a seed then gives the same text whatever is drafted (-d, -k, trees, other"
+            " requests). Default: off, but on for serve with --parallel above 1."
+        ),
+        show_default=False,
+    ),
+]
 DraftMaxOpt = Annotated[
     int | None,
     typer.Option(
@@ -504,6 +516,7 @@ def engine_options(
     top_k: int | None,
     top_p: float | None,
     min_p: float | None,
+    coupled: bool | None,
     draft_max: int | None,
     draft_min: int | None,
     draft_p_min: float | None,
@@ -554,6 +567,7 @@ def engine_options(
             top_k=first_given(top_k, defaults.get("top_k")),
             top_p=first_given(top_p, defaults.get("top_p")),
             min_p=first_given(min_p, defaults.get("min_p")),
+            coupled=coupled,
         )
     )
     try:
@@ -617,7 +631,8 @@ def lookup_setting(draft: str | None, named: bool, flag: bool | None) -> bool | 
 def shared_options(command_args: dict[str, Any]) -> dict[str, Any]:
     """The options `run`, `bench` and `serve` all take, picked from a command's arguments
     (its locals()): the sampling filters, --verbose and the engine flags."""
-    shared = {name: command_args[name] for name in ("temp", "top_k", "top_p", "min_p", "verbose")}
+    names = ("temp", "top_k", "top_p", "min_p", "coupled", "verbose")
+    shared = {name: command_args[name] for name in names}
     return shared | command_args["engine_flags"]
 
 

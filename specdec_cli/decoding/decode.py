@@ -29,6 +29,7 @@ from specdec_cli.decoding.drafters import (
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.sampling import (
+    Noise,
     SamplingParams,
     distribution,
     verify_tree_greedy,
@@ -141,14 +142,24 @@ class Decoder:
         rng: np.random.Generator,
         sampling: SamplingParams,
         chances: list[float] | None = None,
+        noise: Noise | None = None,
+        position: int = 0,
     ) -> tuple[list[int], int]:
         """The accepted path (draft indices) and the next token. Row 0 of the target's
         logits follows the context, row j + 1 draft token j. `chances`: see
-        verify_tree_sampled (sampling only)."""
+        verify_tree_sampled (sampling only). `noise`: coupled sampling's, and `position`
+        the place in the text of the token row 0 chooses."""
         logits = self.target.logits
         parents = draft.parent_list()
         if sampling.greedy:
             return verify_tree_greedy(draft.tokens, parents, lambda i: int(np.argmax(logits(i))))
+        if noise is not None:  # the target's draw at each row is fixed: a match, as greedy
+            depths = [0, *(d + 1 for d in draft.depths())]
+
+            def draw(row: int) -> int:
+                return noise.choose(distribution(logits(row), sampling), position + depths[row])
+
+            return verify_tree_greedy(draft.tokens, parents, draw)
         return verify_tree_sampled(
             draft.tokens,
             parents,
@@ -168,8 +179,8 @@ class Plan:
     k: int
     limit: int  # the most draft tokens this round may verify
     unseen: list[int]  # tokens the target has still to see, first in its batch
-    # Whether fit_to_batch may shorten the draft: -k auto, greedy (a sampled text depends
-    # on k, and must not depend on what else is running).
+    # Whether fit_to_batch may shorten the draft: -k auto, a text the same whatever the
+    # drafts (a rejection-sampled text depends on k, and must not on what else runs).
     fits: bool = False
     chosen: bool = True  # False: no policy was asked (a step without speculation)
     beside: int = 0  # tokens the other slots put in the same target call (their chains)
@@ -284,6 +295,8 @@ class Generation:
             )
         self.decoder, self.prompt, self.rng, self.stats = decoder, prompt, rng, stats
         self.sampling = sampling
+        coupled = sampling.coupled and not sampling.greedy
+        self.noise = Noise.draw(rng) if coupled else None
         self.n_predict = target.n_ctx if n_predict < 0 else n_predict  # the context fills first
         self.tokens = list(prompt)
         self.n_new = 0
@@ -298,7 +311,7 @@ class Generation:
         self._started = False
         self._plan: Plan | None = None
         # Whether fit_to_batch may shorten its drafts (see Plan.fits).
-        self._fits = sampling.greedy and decoder.lengths_adapt
+        self._fits = sampling.draft_invariant and decoder.lengths_adapt
 
     # Reading the prompt.
 
@@ -325,9 +338,9 @@ class Generation:
         """The prompt is read: the drafter reads it too, and the clocks start."""
         decoder, stats = self.decoder, self.stats
         if decoder.drafter:
-            decoder.drafter.begin(self.prompt, self.sampling)
+            decoder.drafter.begin(self.prompt, self.sampling, self.noise)
         for length in (decoder.length, *decoder.lengths.values()):
-            length.begin(self.sampling.greedy)
+            length.begin(self.sampling.draft_invariant)
         if decoder.tree:
             decoder.tree.begin()
         self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
@@ -367,9 +380,9 @@ class Generation:
         self._draft_start = _decode_seconds(self._draft_ctx)
         if not decoder.drafter or k == 0:
             return None
-        # A sampled round's shape decides which random numbers go where: it is shaped as
-        # alone, so that a seed gives the same text beside any neighbours.
-        beside = plan.beside if self.sampling.greedy else 0
+        # A rejection-sampled round's shape decides which random numbers go where: it is
+        # shaped as alone, so that a seed gives the same text beside any neighbours.
+        beside = plan.beside if self.sampling.draft_invariant else 0
         shape = tree.shape(k, plan.limit, beside) if tree else None
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
@@ -400,9 +413,12 @@ class Generation:
         plan = self._plan
         assert plan is not None
         # A sampled chain's chances of acceptance teach -k auto more than its luck does.
-        sampled_chain = not self.sampling.greedy and draft.parents is None
+        sampled_chain = not self.sampling.draft_invariant and draft.parents is None
         chances: list[float] | None = [] if sampled_chain else None
-        path, next_token = decoder.verify(draft, self.rng, self.sampling, chances)
+        position = len(self.tokens)
+        path, next_token = decoder.verify(
+            draft, self.rng, self.sampling, chances, self.noise, position
+        )
         n_accepted = len(path)
         beside = draft.beside_primary(path)  # a chain would have missed these
         # Keep the accepted path, drop the rest (its last token is in batch place
@@ -411,7 +427,7 @@ class Generation:
         # The round's own time runs from the end of the last one: the consumer's
         # work on the last tokens counts too.
         round_start, self._round_end = self._round_end, time.perf_counter()
-        if self.sampling.greedy and timed:  # greedy text is the same whatever k: follow the clock
+        if self.sampling.draft_invariant and timed:  # the same text whatever k: follow the clock
             draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_start
             verify_seconds: float | None = target.decode_seconds - self._verify_start
             other_seconds = self._round_end - round_start - draft_seconds - verify_seconds

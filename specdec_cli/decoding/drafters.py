@@ -20,7 +20,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from specdec_cli.decoding.sampling import Dist, SamplingParams, chain_parents, distribution
+from specdec_cli.decoding.sampling import (
+    Dist,
+    Noise,
+    SamplingParams,
+    chain_parents,
+    distribution,
+)
 from specdec_cli.llamacpp.llama import Context
 from specdec_cli.llamacpp.rowexp import exp_sum
 
@@ -71,15 +77,19 @@ class Draft:
             same += 1
         return len(path) - same
 
+    def depths(self) -> list[int]:
+        """Each node's depth: 0 for a child of the last accepted token."""
+        if self.parents is None:
+            return list(range(len(self.tokens)))
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(0 if parent < 0 else depths[parent] + 1)
+        return depths
+
     @property
     def depth(self) -> int:
         """The longest path: what a chain of the same depth would be long."""
-        if self.parents is None:
-            return len(self.tokens)
-        depths: list[int] = []
-        for parent in self.parents:
-            depths.append(1 if parent < 0 else depths[parent] + 1)
-        return max(depths, default=0)
+        return max(self.depths(), default=-1) + 1
 
 
 @dataclass(frozen=True)
@@ -123,8 +133,11 @@ class Drafter(Protocol):
     name: str
     ctx: Context | None  # the draft model's context, if it has one
 
-    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
-        """A new generation from `prompt`, sampling with `sampling` (None: as before)."""
+    def begin(
+        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+    ) -> None:
+        """A new generation from `prompt`, sampling with `sampling` (None: as before);
+        `noise`: its coupled sampling's (see sampling.Noise), None if not coupled."""
         ...
 
     def sources(self, tokens: list[int]) -> list[str]:
@@ -207,10 +220,14 @@ class ModelDrafter:
         # Tokens never drawn when sampling: those of a draft vocabulary whose text the
         # target's lacks (see translate.py). q is then renormalised over the rest.
         self.banned: np.ndarray | None = None
+        self.noise: Noise | None = None
 
-    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+    def begin(
+        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+    ) -> None:
         if sampling is not None:
             self.sampling = sampling
+        self.noise = noise
         self.ctx.prefill(prompt[:-1])
         self._n_cached, self._unchecked = len(prompt) - 1, []
 
@@ -272,14 +289,21 @@ class ModelDrafter:
         return -(-len(pending) // n_batch)
 
     def children(
-        self, logits: np.ndarray, rng: np.random.Generator, n: int, need_confidence: bool
+        self,
+        logits: np.ndarray,
+        rng: np.random.Generator,
+        n: int,
+        need_confidence: bool,
+        position: int = 0,
     ) -> tuple[list[int], list[float], list[Dist | None]]:
         """A node's children from the draft's logits after it, up to n: the token a
         chain would draft first, then alternatives. Each comes with the draft's
         probability that it is right (the first's 1.0 when nobody asked) and what it was
-        drawn from (None when greedy).
+        drawn from (None when greedy or coupled). `position`: the children's place in
+        the text, where coupled sampling's noise is read.
 
-        Greedy: the likeliest tokens in order. Sampling: draws from q without
+        Greedy: the likeliest tokens in order. Coupled: the race's first n at that
+        position, with the target's noise. Sampling: draws from q without
         replacement (each from q with the earlier ones taken out), each probability the
         top of the distribution it is drawn from, never of the token drawn: whether a
         drawn token is kept must not depend on which token it is, or the kept drafts
@@ -291,6 +315,11 @@ class ModelDrafter:
                 confidence = self._top_probability(logits, token) if need_confidence else 1.0
                 return [token], [confidence], [None]
             return *self._likeliest(logits, token, n), [None] * n
+        if self.noise is not None:
+            # Verified by a match, so a guess may be kept or ranked by its own probability.
+            q = distribution(logits, self.sampling)
+            ids = self.noise.ranked(q, position, n)
+            return ids, [q.prob(t) for t in ids], [None] * len(ids)
         ids, probs, dists = [], [], []
         if self.banned is not None:
             logits[self.banned] = -np.inf  # the draft's own row, read once
@@ -389,7 +418,9 @@ class _Growth:
         parent_score = self.scores[node] if node >= 0 else 1.0
         # A tree's ranks need every node's probability.
         need_confidence = self.keep_drafting is not None or not shape.is_chain
-        ids, probs, dists = self.drafter.children(logits, self.rng, shape.branch, need_confidence)
+        ids, probs, dists = self.drafter.children(
+            logits, self.rng, shape.branch, need_confidence, self.base + depth
+        )
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
             return []
         added = []
@@ -507,9 +538,9 @@ class TextMemory:
     n-gram lookup: a request that goes over text an earlier one holds (a prompt sent
     again, the history a chat resends, an agent's repeated context) finds what followed
     it there, as llama.cpp's server-wide ngram-mod map does. At most `max_tokens` in all,
-    the oldest text out first. Only greedy generations look here: a sampled one's drafts
-    decide where its random numbers go, and its seed must give the same text whatever
-    ran before it."""
+    the oldest text out first. Only generations whose text is the same whatever the drafts
+    (greedy, coupled) look here: a rejection-sampled one's drafts decide where its random
+    numbers go, and its seed must give the same text whatever ran before it."""
 
     def __init__(self, max_tokens: int, n_min: int, n_max: int) -> None:
         self.max_tokens, self.n_min, self.n_max = max_tokens, n_min, n_max
@@ -568,13 +599,14 @@ class NgramDrafter:
         self,
         n_min: int = 1,
         n_max: int = 4,
-        greedy: bool = True,
+        invariant: bool = True,
         memory: TextMemory | None = None,
     ) -> None:
-        """`memory`: earlier generations' texts, looked up where the current text has no
-        match as long (greedy only; see TextMemory)."""
+        """`invariant`: the text is the same whatever the drafts (SamplingParams.
+        draft_invariant). `memory`: earlier generations' texts, looked up where the
+        current text has no match as long (invariant texts only; see TextMemory)."""
         self.n_min, self.n_max = n_min, n_max
-        self.greedy = greedy
+        self.invariant = invariant
         self.memory = memory
         # n-gram -> end indices of its latest occurrences, the latest last
         self._ends: dict[tuple[int, ...], list[int]] = {}
@@ -582,11 +614,13 @@ class NgramDrafter:
         self._text: list[int] = []  # the current generation's text, as last seen
         self._matched: tuple[int, Match] = (-1, ([], []))  # (text length, its match)
 
-    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+    def begin(
+        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+    ) -> None:
         if self.memory is not None and self._text:
             self.memory.add(self._text)  # the last generation's text, now complete
         if sampling is not None:
-            self.greedy = sampling.greedy
+            self.invariant = sampling.draft_invariant
         self._ends = {}
         self._indexed = 0
         self._text = []
@@ -614,7 +648,7 @@ class NgramDrafter:
 
     def matches(self, tokens: list[int]) -> Match:
         """Where the longest n-gram that ends `tokens` ended before: in `tokens` itself,
-        or (greedy, with a memory) in an earlier generation's text; no ends when it
+        or (an invariant text, with a memory) in an earlier generation's text; no ends when it
         never did. At equal length the current text's own match wins. Looked up once a
         round (the text only grows): who drafts and the draft both ask."""
         if self._matched[0] != len(tokens):
@@ -625,7 +659,7 @@ class NgramDrafter:
     def _look_up(self, tokens: list[int]) -> Match:
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
-        memory = self.memory if self.greedy else None
+        memory = self.memory if self.invariant else None
         for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
             key = tuple(tokens[-n:])
             ends = self._ends.get(key)
@@ -682,7 +716,7 @@ class NgramDrafter:
         elif ends:
             continuations = [text[end + 1 : end + 1 + k] for end in ends[::-1]]
             merge_into_tree(draft, continuations[: shape.branch], shape.nodes)
-        if not self.greedy:
+        if not self.invariant:  # what rejection sampling needs
             draft.dists = [Dist.point(t) for t in draft.tokens]
         return draft
 
@@ -735,12 +769,14 @@ class LookupThenModel:
         # This round's decision: (tokens, who may draft after them, the lookup's match).
         self._decided: tuple[int, list[str], Match] | None = None
 
-    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+    def begin(
+        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+    ) -> None:
         """Each text anew: how much one repeats itself says nothing of the next. The
         lookup starts at even odds, so that its guesses, scored while the model drafts,
         must earn it the turn (from 1.0 it drafted after the model's first miss)."""
-        self.lookup.begin(prompt, sampling)
-        self.model.begin(prompt, sampling)
+        self.lookup.begin(prompt, sampling, noise)
+        self.model.begin(prompt, sampling, noise)
         self.hit_rate = {self.lookup.name: 0.5, self.model.name: 1.0}
         self._guesses, self._decided = [], None
 

@@ -25,11 +25,11 @@ from specdec_cli.decoding.drafters import Draft
 class DraftLength(Protocol):
     uses_confidence: bool  # whether keep_drafting needs the draft's top probability
 
-    def begin(self, greedy: bool = False) -> None:
+    def begin(self, invariant: bool = False) -> None:
         """A new generation: what the policy learnt is this generation's alone, so that
         a seed gives the same text in any generation (the draft lengths decide which
-        random numbers each token uses). A `greedy` one's text is the same whatever the
-        lengths: it may go on from what the last greedy generation learnt."""
+        random numbers each token uses). An `invariant` one's text is the same whatever
+        the lengths (greedy, coupled): it may go on from what the last one learnt."""
         ...
 
     def choose(self, limit: int) -> int: ...
@@ -61,7 +61,7 @@ class FixedLength:
         self.p_min = p_min
         self.uses_confidence = p_min > 0.0
 
-    def begin(self, greedy: bool = False) -> None:
+    def begin(self, invariant: bool = False) -> None:
         pass
 
     def choose(self, limit: int) -> int:
@@ -344,26 +344,27 @@ class AutoLength:
         # (Python's time per round is not known yet: `of` counts none of it.)
         probe = self.costs.of(self._first_rung, survive=1.0)
         self._first_gap = self._priced_gap(self._probe_extra(probe))
-        # Where the last greedy generation left its schedule: idle rounds, and the gap.
-        self._greedy, self._greedy_probes = False, (0, self._first_gap)
+        # Where the last invariant generation left its schedule: idle rounds, and the gap.
+        self._invariant, self._invariant_probes = False, (0, self._first_gap)
         self.begin()
 
-    def begin(self, greedy: bool = False) -> None:
+    def begin(self, invariant: bool = False) -> None:
         """Everything learnt starts again from the measured costs and the prior: the
-        costs too, as a greedy generation learns them from the clock, and a sampled
-        generation after it must draft as it would alone. But a greedy generation goes
-        on probing where the last greedy one left off: its text is the same whatever k,
-        and a draft that stopped paying must not be probed afresh at every request's
-        start (one probe in a short generation can cost more than speculation wins)."""
-        if self._greedy:
-            self._greedy_probes = (self._idle, self._probe_gap)
-        self._greedy = greedy
+        costs too, as an invariant generation (greedy, coupled) learns them from the
+        clock, and a rejection-sampled generation after it must draft as it would alone.
+        But an invariant generation goes on probing where the last one left off: its
+        text is the same whatever k, and a draft that stopped paying must not be probed
+        afresh at every request's start (one probe in a short generation can cost more
+        than speculation wins)."""
+        if self._invariant:
+            self._invariant_probes = (self._idle, self._probe_gap)
+        self._invariant = invariant
         self.costs = RoundCosts(self.measured)
         self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
         self.calibration = Calibration()
         self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
         # Rounds without a draft since the last probe, and before the next one.
-        self._idle, self._probe_gap = self._greedy_probes if greedy else (0, self._first_gap)
+        self._idle, self._probe_gap = self._invariant_probes if invariant else (0, self._first_gap)
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.

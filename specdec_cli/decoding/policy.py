@@ -89,7 +89,7 @@ class Policy:
         """An n-gram lookup of n-grams from n_min long, looking in the server's recent
         texts too."""
         d, sampling = self.models.options.drafting, self.models.options.sampling
-        return NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.greedy, self.memory)
+        return NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.draft_invariant, self.memory)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""

@@ -44,10 +44,22 @@ class SamplingParams:
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    # Coupled sampling (see Noise): each position's token is the winner of a race run
+    # with noise keyed by the seed and the position, and the draft races with the same
+    # noise. The target's draw is then fixed before anything is drafted, so the text for
+    # a seed is the same whatever is drafted, how much, and beside which other requests.
+    coupled: bool = False
 
     @property
     def greedy(self) -> bool:
         return self.temp <= 0.0
+
+    @property
+    def draft_invariant(self) -> bool:
+        """Whether the text is the same whatever the drafts: greedy, or coupled. Then
+        draft lengths may follow the clock and the batch, and verification is a match
+        against the target's own choice (verify_tree_greedy)."""
+        return self.greedy or self.coupled
 
 
 GREEDY = SamplingParams(temp=0.0)
@@ -394,6 +406,62 @@ def _zeros(n_vocab: int) -> np.ndarray:
     zeros = np.zeros(n_vocab, np.float32)
     zeros.flags.writeable = False
     return zeros
+
+
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Coupled sampling's noise for one generation: a uniform u for every (position,
+    token), hashed from `key` (splitmix64), never stored. At a position, each token of a
+    distribution p runs a race with time -ln(u) / p(token), and the first to finish is
+    drawn: exactly a draw from p (the exponential race, Gumbel-max), and independent of
+    every other position's.
+
+    The target's token is the winner under its p, the draft's under its q, with the
+    same u: they agree with a chance a little below the best coupling's sum(min(p, q)),
+    and exactly p(token) for a deterministic guess (a lookup). Only the tokens of a
+    distribution's support are hashed: a few dozen under the default filters."""
+
+    key: int
+
+    @classmethod
+    def draw(cls, rng: np.random.Generator) -> Noise:
+        return cls(int(rng.integers(1 << 63)))
+
+    def ranked(self, dist: Dist, position: int, n: int = 1) -> list[int]:
+        """The first n tokens of `dist` to finish the race at `position`: the winner
+        first, then the runners-up, which are draws without replacement (Gumbel-top-k)."""
+        scores = dist.probs / self._exponentials(position, dist.ids)
+        if n == 1:
+            return [int(dist.ids[int(np.argmax(scores))])]
+        n = min(n, len(scores))
+        top = np.argpartition(-scores, n - 1)[:n]
+        return [int(dist.ids[i]) for i in top[np.argsort(-scores[top], kind="stable")]]
+
+    def choose(self, dist: Dist, position: int) -> int:
+        return self.ranked(dist, position)[0]
+
+    def _exponentials(self, position: int, ids: np.ndarray) -> np.ndarray:
+        # One stream per position, from the key; one word per token within it (an odd
+        # multiplier and a bijective mix keep distinct tokens' words distinct).
+        stream = _mix(_mix(np.array([position * _GOLDEN & _MASK], np.uint64)) ^ np.uint64(self.key))
+        words = _mix(np.asarray(ids).astype(np.uint64) * np.uint64(_GOLDEN) + stream)
+        # The top 53 bits, as a float in (0, 1): never 0, whose log is -inf.
+        uniforms = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
+        return -np.log(uniforms)
+
+
+def _mix(words: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser, in place (uint64 arithmetic wraps)."""
+    for shift, factor in zip((30, 27), _MIX, strict=True):
+        words ^= words >> np.uint64(shift)
+        words *= factor
+    words ^= words >> np.uint64(31)
+    return words
 
 
 def chain_parents(n: int) -> list[int]:

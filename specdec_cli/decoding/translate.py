@@ -36,7 +36,7 @@ from specdec_cli.decoding.drafters import (
     TreeShape,
     merge_into_tree,
 )
-from specdec_cli.decoding.sampling import Dist, SamplingParams
+from specdec_cli.decoding.sampling import GREEDY, Dist, Noise, SamplingParams
 from specdec_cli.llamacpp import costcache
 from specdec_cli.llamacpp.llama import Model
 
@@ -243,14 +243,20 @@ class TranslatedDrafter:
         # target tokens (a 512-token draft vocabulary writes shorter tokens than 262k).
         self._target_bytes, self._draft_bytes = translation.target_bytes, translation.draft_bytes
 
-    def begin(self, prompt: list[int], sampling: SamplingParams | None = None) -> None:
+    def begin(
+        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+    ) -> None:
+        """`noise` is not used: it is keyed by the target's positions and tokens. A text
+        the same whatever the drafts takes any guess the target agrees with, and the
+        draft's likeliest text, matched across the vocabularies, is the best one."""
         if sampling is not None:
             self.sampling = sampling
-        self.model.banned = None if self.sampling.greedy else self.translation.shared.banned
+        invariant = self.sampling.draft_invariant
+        self.model.banned = None if invariant else self.translation.shared.banned
         self._sequence = self.translation.draft_tokens(prompt)
         self._base, self._prompt_length = len(self._sequence), len(prompt)
         self._done, self._pending = 0, b""
-        self.model.begin(self._sequence, sampling)
+        self.model.begin(self._sequence, GREEDY if invariant else self.sampling)
 
     def sources(self, tokens: list[int]) -> list[str]:
         return [self.name]
@@ -268,7 +274,7 @@ class TranslatedDrafter:
         room = self.ctx.n_ctx - len(sequence) - 1  # the draft's tokens are more, or fewer
         if room < 1 or not sequence:
             return Draft(source=self.name)
-        if self.sampling.greedy:
+        if self.sampling.draft_invariant:
             matched = yield from self._string_match(
                 tokens, sequence, k, room, rng, keep_drafting, shape
             )
