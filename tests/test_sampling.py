@@ -325,13 +325,15 @@ def strong_at_block_edges(n: int = QWEN2_VOCAB) -> tuple[np.ndarray, np.ndarray]
 
 
 def sampled_counts(
-    d: Dist, strong: np.ndarray, n_samples: int, shift: int = 0
+    d: Dist, strong: np.ndarray, n_samples: int, shift: int = 0, coupled: bool = False
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Counts in bins: each strong token alone, the rest in 20 runs of ids of about equal
-    mass. `shift` moves every sample to a neighbouring id (the negative control)."""
+    mass. `shift` moves every sample to a neighbouring id (the negative control);
+    `coupled`: the samples are races' winners, one key each."""
     rng = np.random.default_rng(8)
     n = len(d.ids)
-    samples = np.array([(d.sample(rng) + shift) % n for _ in range(n_samples)])
+    draws = (Noise(i).choose(d, 3) if coupled else d.sample(rng) for i in range(n_samples))
+    samples = np.array([(token + shift) % n for token in draws])
     probs = dense(d, n)
     probs /= probs.sum()  # a float32 row sums to 1 only to its rounding; draws are in proportion
     rest = np.ones(n, bool)
@@ -346,20 +348,23 @@ def sampled_counts(
     return samples, counts, expected
 
 
-def test_dense_sampling_matches_its_probabilities() -> None:
+@pytest.mark.parametrize("coupled", [False, True], ids=["drawn", "coupled"])
+def test_dense_sampling_matches_its_probabilities(coupled: bool) -> None:
+    """Drawn by block sums, or by the race in two rounds (blocks, then tokens)."""
     logits, strong = strong_at_block_edges()
     d = distribution(logits, SETTINGS["plain softmax"])
     assert isinstance(d, DenseDist)
-    samples, counts, expected = sampled_counts(d, strong, N_SAMPLES)
+    samples, counts, expected = sampled_counts(d, strong, N_SAMPLES, coupled=coupled)
     assert not np.any((samples >= 3072) & (samples < 9000)), "sampled a masked token"
     assert chisquare(counts, expected).pvalue > P_VALUE
 
 
-def test_dense_chi_square_detects_an_off_by_one() -> None:
+@pytest.mark.parametrize("coupled", [False, True], ids=["drawn", "coupled"])
+def test_dense_chi_square_detects_an_off_by_one(coupled: bool) -> None:
     """Negative control: the same samples moved to the next id."""
     logits, strong = strong_at_block_edges()
     d = distribution(logits, SETTINGS["plain softmax"])
-    _, counts, expected = sampled_counts(d, strong, N_SAMPLES // 4, shift=1)
+    _, counts, expected = sampled_counts(d, strong, N_SAMPLES // 4, shift=1, coupled=coupled)
     assert chisquare(counts, expected).pvalue < P_VALUE
 
 

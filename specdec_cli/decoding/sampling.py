@@ -411,6 +411,7 @@ def _zeros(n_vocab: int) -> np.ndarray:
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_BLOCK_SALT = 0x5851F42D4C957F2D  # the blocks' race has noise of its own
 
 
 @dataclass(frozen=True)
@@ -424,7 +425,8 @@ class Noise:
     The target's token is the winner under its p, the draft's under its q, with the
     same u: they agree with a chance a little below the best coupling's sum(min(p, q)),
     and exactly p(token) for a deterministic guess (a lookup). Only the tokens of a
-    distribution's support are hashed: a few dozen under the default filters."""
+    distribution's support are hashed: a few dozen under the default filters. A whole
+    vocabulary (DenseDist) races in two rounds instead (see _ranked_dense)."""
 
     key: int
 
@@ -432,24 +434,45 @@ class Noise:
     def draw(cls, rng: np.random.Generator) -> Noise:
         return cls(int(rng.integers(1 << 63)))
 
-    def ranked(self, dist: Dist, position: int, n: int = 1) -> list[int]:
-        """The first n tokens of `dist` to finish the race at `position`: the winner
-        first, then the runners-up, which are draws without replacement (Gumbel-top-k)."""
-        scores = dist.probs / self._exponentials(position, dist.ids)
-        if n == 1:
-            return [int(dist.ids[int(np.argmax(scores))])]
-        n = min(n, len(scores))
-        top = np.argpartition(-scores, n - 1)[:n]
-        return [int(dist.ids[i]) for i in top[np.argsort(-scores[top], kind="stable")]]
-
     def choose(self, dist: Dist, position: int) -> int:
         return self.ranked(dist, position)[0]
 
-    def _exponentials(self, position: int, ids: np.ndarray) -> np.ndarray:
-        # One stream per position, from the key; one word per token within it (an odd
-        # multiplier and a bijective mix keep distinct tokens' words distinct).
-        stream = _mix(_mix(np.array([position * _GOLDEN & _MASK], np.uint64)) ^ np.uint64(self.key))
-        words = _mix(np.asarray(ids).astype(np.uint64) * np.uint64(_GOLDEN) + stream)
+    def ranked(self, dist: Dist, position: int, n: int = 1) -> list[int]:
+        """The first n tokens of `dist` to finish the race at `position`: the winner
+        first, then the runners-up (draws without replacement, Gumbel-top-k; of a whole
+        vocabulary, the runners-up of the winner's block)."""
+        if isinstance(dist, DenseDist):
+            return self._ranked_dense(dist, position, n)
+        return self._ranked(dist.ids, dist.probs, position, n)
+
+    def _ranked(
+        self, ids: np.ndarray, probs: np.ndarray, position: int, n: int, salt: int = 0
+    ) -> list[int]:
+        scores = probs / self._exponentials(position, ids, salt)
+        if n == 1:
+            return [int(ids[int(np.argmax(scores))])]
+        n = min(n, len(scores))
+        top = np.argpartition(-scores, n - 1)[:n]
+        return [int(ids[i]) for i in top[np.argsort(-scores[top], kind="stable")]]
+
+    def _ranked_dense(self, dist: DenseDist, position: int, n: int) -> list[int]:
+        """First a race of the blocks of BLOCK tokens, each run at its mass with noise of
+        its own, then one of the winning block's tokens: a block wins with its mass and
+        a token within it with its share, so the winner is still a draw from p, and a
+        262k vocabulary hashes 256 blocks and 1024 tokens, not 262k."""
+        starts = _dense_layout(len(dist.probs))[1]
+        masses = np.add.reduceat(dist.probs, starts)
+        block = self._ranked(np.arange(len(starts)), masses, position, 1, _BLOCK_SALT)[0]
+        start = block * BLOCK
+        within = dist.probs[start : start + BLOCK]
+        return self._ranked(dist.ids[start : start + len(within)], within, position, n)
+
+    def _exponentials(self, position: int, ids: np.ndarray, salt: int = 0) -> np.ndarray:
+        # One stream per position (and salt), from the key; one word per token within it
+        # (an odd multiplier and a bijective mix keep distinct tokens' words distinct).
+        stream = _mix(np.array([position * _GOLDEN & _MASK], np.uint64))
+        stream ^= np.uint64(self.key ^ salt)
+        words = _mix(np.asarray(ids).astype(np.uint64) * np.uint64(_GOLDEN) + _mix(stream))
         # The top 53 bits, as a float in (0, 1): never 0, whose log is -inf.
         uniforms = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
         return -np.log(uniforms)
