@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from test_cli_run import assert_user_error, specdec
 import specdec_cli
 from specdec_cli.commands.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
 from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
 from specdec_cli.llamacpp.machine import cpu_name
 
@@ -240,6 +242,7 @@ def test_bench_json_says_what_reproduces_it(
         assert settings["models"][role] == {"path": str(path), "bytes": path.stat().st_size}
     assert settings["threads"] == 1 and settings["threads_draft"] == 1
     assert settings["n_ctx"] >= 16 and settings["flash_attn"]["used"] in ("on", "off")
+    assert settings["sampling"] == asdict(SamplingParams(temp=0.0)) and settings["seed"] == 0
     assert settings["specdec"] == specdec_cli.__version__
     assert settings["llama_cpp_python"] == llama_cpp.__version__
     assert "CPU" in settings["backends"] and settings["cpu"] == cpu_name()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -317,7 +317,8 @@ def run_bench(
                 advance(variant_list[i].name, 1)
         measured.append(measure(reps=5))
     costs = costmodel.median_costs(measured)
-    setup = {**engine.describe(), **environment()}
+    sampling = {"sampling": asdict(engine.options.sampling), "seed": seed}
+    setup = {**engine.describe(), **sampling, **environment()}
     return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn, setup)
 
 
