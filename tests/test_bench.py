@@ -14,6 +14,7 @@ from test_cli_run import assert_user_error, specdec
 
 import specdec_cli
 from specdec_cli.commands.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
+from specdec_cli.commands.display import sampling_flags
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
@@ -229,7 +230,8 @@ def test_bench_draft_model(model_bench: dict[str, Any]) -> None:
     # -fa auto (the default) was resolved by measurement, and the table says to what.
     choice = model_bench["settings"]["flash_attn"]
     assert choice["asked"] == "auto" and choice["used"] in ("on", "off")
-    assert f"# settings: -fa auto -> {choice['used']} (measured)\n" in model_bench["_stdout"]
+    settings = f"# settings: -fa auto -> {choice['used']} (measured), greedy\n"
+    assert settings in model_bench["_stdout"]
     # The fixture draft agrees with the target about 60% of the time.
     assert all(r["acceptance_rate"] > 0.2 for r in model_bench["runs"])
 
@@ -371,3 +373,10 @@ def test_bench_tree_variants(target_model: Path, draft_model: Path, tmp_path: Pa
     assert chain["tree"] == "off" and tree["tree"] == "6"
     assert chain["accepted_beside_chain"] == 0 < tree["accepted_beside_chain"]
     assert tree["k_mean"] > chain["k_mean"]  # nodes drafted per round
+
+
+def test_the_settings_line_says_how_the_bench_sampled() -> None:
+    sampled = {"sampling": asdict(SamplingParams(coupled=True)), "seed": 3}
+    expected = "--temp 0.8 --top-k 40 --top-p 0.95 --min-p 0.05 --coupled --seed 3"
+    assert sampling_flags(sampled) == expected
+    assert sampling_flags({"sampling": asdict(SamplingParams(temp=0.0)), "seed": 3}) == "greedy"

@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -234,6 +234,19 @@ def bench_rows(figures: dict) -> list[list[str]]:
     return rows
 
 
+FILTERS = ("top_k", "top_p", "min_p")  # SamplingParams' filters, by their flags' order
+
+
+def sampling_flags(settings: dict[str, Any]) -> str:
+    """How the bench sampled, as the flags that sample so ("greedy" when it did not)."""
+    sampling = settings["sampling"]
+    if sampling["temp"] <= 0:
+        return "greedy"
+    flags = " ".join(f"--{name.replace('_', '-')} {sampling[name]}" for name in FILTERS)
+    coupled = " --coupled" if sampling["coupled"] else ""
+    return f"--temp {sampling['temp']} {flags}{coupled} --seed {settings['seed']}"
+
+
 def print_bench(report: BenchReport) -> None:
     """A rich table on a terminal; whitespace-separated columns when piped. Both show
     the figures `--json` writes, computed once."""
@@ -241,7 +254,7 @@ def print_bench(report: BenchReport) -> None:
     for message in figures["warnings"]:
         warn(message)
     rows = bench_rows(figures)
-    settings = f"settings: -fa {report.flash_attn}"
+    settings = f"settings: -fa {report.flash_attn}, {sampling_flags(figures['settings'])}"
     c = report.costs
     costs = (
         f"costs: target {c.target_seconds * 1e3:.2f} ms/token, "
