@@ -554,10 +554,10 @@ def repeatable_texts(
     """Per setup, per prompt: every text a greedy or seeded request got, at any level
     and repeat."""
     bodies = {s.name: request_body(s, "", 1, temp) for s in setups}
-    greedy = {name for name, b in bodies.items() if b.get("temperature") == 0 or "seed" in b}
-    texts: dict[str, dict[int, set[str]]] = {name: {} for name in greedy}
+    repeatable = {name for name, b in bodies.items() if b.get("temperature") == 0 or "seed" in b}
+    texts: dict[str, dict[int, set[str]]] = {name: {} for name in repeatable}
     for entry in raw:
-        if entry["setup"] not in greedy:
+        if entry["setup"] not in repeatable:
             continue
         for record in entry["requests"]:
             if record["error"] is None:

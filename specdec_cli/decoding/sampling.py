@@ -20,6 +20,7 @@ import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,9 +132,12 @@ class DenseDist(Dist):
     def prob(self, token: int) -> float:
         return float(self.probs[token])
 
+    def block_masses(self) -> np.ndarray:
+        """The mass of each run of BLOCK consecutive tokens."""
+        return np.add.reduceat(self.probs, _dense_layout(len(self.probs))[1])
+
     def sample(self, rng: np.random.Generator) -> int:
-        blocks = np.add.reduceat(self.probs, _dense_layout(len(self.probs))[1])
-        start = _draw(blocks, rng) * BLOCK
+        start = _draw(self.block_masses(), rng) * BLOCK
         return start + _draw(self.probs[start : start + BLOCK], rng)
 
     def reweighted(self, weights: np.ndarray) -> DenseDist:
@@ -410,7 +414,7 @@ def _zeros(n_vocab: int) -> np.ndarray:
 
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
-_MIX = (np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+_SPLITMIX = ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB))  # shifts, factors
 _BLOCK_SALT = 0x5851F42D4C957F2D  # the blocks' race has noise of its own
 
 
@@ -460,31 +464,30 @@ class Noise:
         its own, then one of the winning block's tokens: a block wins with its mass and
         a token within it with its share, so the winner is still a draw from p, and a
         262k vocabulary hashes 256 blocks and 1024 tokens, not 262k."""
-        starts = _dense_layout(len(dist.probs))[1]
-        masses = np.add.reduceat(dist.probs, starts)
-        block = self._ranked(np.arange(len(starts)), masses, position, 1, _BLOCK_SALT)[0]
+        masses = dist.block_masses()
+        block = self._ranked(np.arange(len(masses)), masses, position, 1, _BLOCK_SALT)[0]
         start = block * BLOCK
         within = dist.probs[start : start + BLOCK]
         return self._ranked(dist.ids[start : start + len(within)], within, position, n)
 
     def _exponentials(self, position: int, ids: np.ndarray, salt: int = 0) -> np.ndarray:
-        # One stream per position (and salt), from the key; one word per token within it
-        # (an odd multiplier and a bijective mix keep distinct tokens' words distinct).
-        stream = _mix(np.array([position * _GOLDEN & _MASK], np.uint64))
-        stream ^= np.uint64(self.key ^ salt)
-        words = _mix(np.asarray(ids).astype(np.uint64) * np.uint64(_GOLDEN) + _mix(stream))
+        # One stream per position (and salt), from the key, in Python ints (a few numpy
+        # calls on one word would cost more than the tokens' own); one word per token
+        # within it (an odd multiplier and a bijective mix keep distinct tokens' words
+        # distinct).
+        stream = _mix(_mix(position * _GOLDEN & _MASK) ^ self.key ^ salt)
+        words = _mix(np.asarray(ids).astype(np.uint64) * np.uint64(_GOLDEN) + np.uint64(stream))
         # The top 53 bits, as a float in (0, 1): never 0, whose log is -inf.
         uniforms = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
         return -np.log(uniforms)
 
 
-def _mix(words: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser, in place (uint64 arithmetic wraps)."""
-    for shift, factor in zip((30, 27), _MIX, strict=True):
-        words ^= words >> np.uint64(shift)
-        words *= factor
-    words ^= words >> np.uint64(31)
-    return words
+def _mix(x: Any) -> Any:
+    """splitmix64's finaliser, of a Python int or a uint64 array (whose arithmetic wraps:
+    the mask only keeps an int to 64 bits)."""
+    for shift, factor in _SPLITMIX:
+        x = ((x ^ (x >> shift)) * factor) & _MASK
+    return x ^ (x >> 31)
 
 
 def chain_parents(n: int) -> list[int]:
