@@ -359,14 +359,20 @@ def test_batch_speculation_follows_what_is_measured() -> None:
     assert guard.choose(1)
 
 
-def run_guard(guard: BatchSpeculation, n: int, steps: int, loss: float) -> list[bool]:
-    """`steps` choices at n busy slots, drafting measured `loss` slower than none."""
-    modes = []
+def run_guard(
+    guard: BatchSpeculation, n: int, steps: int, loss: float, longer: float = 1.0
+) -> tuple[list[bool], float]:
+    """`steps` choices at n busy slots, drafting measured `loss` slower than none, in
+    steps `longer` times as long: the modes chosen, and the share of the time spent
+    drafting."""
+    modes, seconds = [], {True: 0.0, False: 0.0}
     for _ in range(steps):
         drafting = guard.choose(n)
         modes.append(drafting)
-        guard.record(n, drafting, 10, 0.01 / (1.0 - loss) if drafting else 0.01)
-    return modes
+        tokens, took = (100 * longer * (1.0 - loss), 0.01 * longer) if drafting else (100, 0.01)
+        guard.record(n, drafting, round(tokens), took)
+        seconds[drafting] += took
+    return modes, seconds[True] / (seconds[True] + seconds[False])
 
 
 def test_batch_speculation_finds_out_sparingly() -> None:
@@ -377,14 +383,23 @@ def test_batch_speculation_finds_out_sparingly() -> None:
     explored = {}
     for loss in (0.04, 0.3):
         guard = BatchSpeculation()
-        modes = run_guard(guard, 2, 200 * block, loss)
+        modes, _ = run_guard(guard, 2, 200 * block, loss)
         assert not any(modes[:block]) and all(modes[block : 2 * block])
         explored[loss] = sum(modes[2 * block :]) / len(modes[2 * block :])
     assert explored[0.3] < explored[0.04] <= 1.1 / BatchSpeculation.EXPLORE_EVERY
     assert explored[0.3] * 0.3 <= 1.1 * BatchSpeculation.EXPLORE_BUDGET  # the time it costs
     # Drafting lost with 2 slots (the last guard): with 4, no trial block, only exploring.
-    four = run_guard(guard, 4, (most + 2) * block, 0.3)
+    four, _ = run_guard(guard, 4, (most + 2) * block, 0.3)
     assert not any(four[: most * block]) and any(four)
+
+
+def test_batch_speculation_budgets_time_not_blocks() -> None:
+    """A drafting step takes several no-draft steps' time: where drafting loses, its
+    blocks come back as much rarer, so that they cost EXPLORE_BUDGET of the time."""
+    block = BatchSpeculation.BLOCK
+    for longer in (1.0, 3.0):
+        _, drafting_share = run_guard(BatchSpeculation(), 2, 400 * block, 0.1, longer)
+        assert drafting_share * 0.1 <= 1.1 * BatchSpeculation.EXPLORE_BUDGET
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, COUPLED], ids=["greedy", "coupled"])

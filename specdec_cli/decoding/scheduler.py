@@ -72,6 +72,8 @@ class BatchSpeculation:
     - the worse mode gets a block again when that costs at most EXPLORE_BUDGET of the
       time since its last: after EXPLORE_EVERY blocks if it lost little, up to
       EXPLORE_MOST if it lost much (a change in the text or the load is seen by then).
+      The budget is time, not blocks: a drafting step takes several no-draft steps'
+      time, so a drafting block that loses costs that many times more.
     A block's first step pays for the change of mode, and is not counted. One slot
     alone always drafts: its length policy already follows the clock."""
 
@@ -106,14 +108,16 @@ class BatchSpeculation:
         return any(m < n and modes.drafting_lost for m, modes in self._by_size.items())
 
     def _explore_every(self, modes: _Modes) -> int:
-        """Blocks between two of the worse mode's: it loses `loss` of a block's time."""
-        rates = modes.rate
+        """The better mode's blocks between two of the worse mode's: a worse block loses
+        `loss` of its time, and takes `longer` times a better block's."""
         if not modes.steps[True]:
             return self.EXPLORE_MOST  # untried here: drafting lost with fewer slots
-        if max(rates.values()) <= 0:
+        worse, better = modes.worse, not modes.worse
+        if modes.rate[better] <= 0 or modes.seconds[better] <= 0:
             return self.EXPLORE_EVERY
-        loss = 1.0 - min(rates.values()) / max(rates.values())
-        wanted = math.ceil(loss / self.EXPLORE_BUDGET)
+        loss = 1.0 - modes.rate[worse] / modes.rate[better]
+        longer = modes.seconds[worse] / modes.seconds[better]
+        wanted = math.ceil(loss * longer / self.EXPLORE_BUDGET)
         return min(self.EXPLORE_MOST, max(self.EXPLORE_EVERY, wanted))
 
     def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
@@ -125,6 +129,7 @@ class BatchSpeculation:
         count = modes.steps[drafting]
         step = max(1.0 - self.DECAY, 1.0 / (count + 1))  # a plain mean at first
         modes.rate[drafting] += step * (tokens / seconds - modes.rate[drafting])
+        modes.seconds[drafting] += step * (seconds - modes.seconds[drafting])
         modes.steps[drafting] = count + 1
 
 
@@ -133,6 +138,7 @@ class _Modes:
     """BatchSpeculation's figures for one number of busy slots. Mode True: drafting."""
 
     rate: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})
+    seconds: dict[bool, float] = field(default_factory=lambda: {True: 0.0, False: 0.0})  # a step
     steps: dict[bool, int] = field(default_factory=lambda: {True: 0, False: 0})
     drafting: bool = True  # the current block's mode
     left: int = 0  # steps left in the current block
