@@ -177,6 +177,30 @@ def test_fit_to_batch_counts_the_other_slots_tokens() -> None:
     assert crowded[0].k == 0
 
 
+def test_fit_to_batch_prices_every_total_on_a_stepped_curve() -> None:
+    """A curve with a step, as measured on the benchmark pair: 4 tokens cost 1.28
+    passes, the 5th adds 0.47, each further one 0.24. Four slots at 80 % acceptance
+    rate best drafting nothing (4 / 1.28 tokens a pass); one token each (6.8 / 2.46) beats
+    every total between, where shortening a token at a time would stop."""
+    curve = {1: 1.0, 2: 1.01, 3: 1.2, 4: 1.28, **{n: 1.75 + 0.24 * (n - 5) for n in range(5, 66)}}
+    stepped = Costs(0.01, 0.05, curve)
+    plans = [plan(AutoLength(stepped, 0, 8, uses_confidence=False, prior=0.8), 3) for _ in range(4)]
+    fit_to_batch(plans)
+    assert [p.k for p in plans] == [0, 0, 0, 0]
+
+
+def test_fit_to_batch_keeps_the_drafts_that_pay_most() -> None:
+    """Each verified token costs 0.3 of a pass: a slot whose drafts are nearly always
+    taken keeps its 4, one that is rarely right drafts none."""
+    linear = Costs(0.01, 0.05, {n: 1.0 + 0.3 * (n - 1) for n in range(1, 66)})
+    plans = [
+        plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=prior), 4)
+        for prior in (0.95, 0.3)
+    ]
+    fit_to_batch(plans)
+    assert [p.k for p in plans] == [4, 0]
+
+
 def test_fit_to_batch_counts_one_draft_call_a_depth_for_all_slots() -> None:
     """The slots draft together: four drafts of 4 tokens cost 4 draft calls, not 16.
     With a draft call at 0.3 of a target pass and verification nearly free, drafting

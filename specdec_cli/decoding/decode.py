@@ -230,13 +230,18 @@ def step(
 
 
 def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> None:
-    """Shorten the drafts that may be shortened (see Plan.fits) while that raises
-    the expected tokens per second of the whole batch: when several slots share one
+    """Shorten the drafts that may be shortened (see Plan.fits) to what gives the
+    whole batch the most expected tokens per second: when several slots share one
     target pass, its cost is the cost of all their tokens (plus `extra` prompt tokens),
     and where verification turns compute-bound the drafts shrink, to none. A batch of
     another size than the last call's (`last_size`) also pays a graph rebuild.
 
-    Greedy: take one token off the draft whose removal helps most, until none helps."""
+    The drafts grow from none, a token at a time, each time by the token that adds the
+    most expected tokens (a slot's next token adds less than its last: this is the best
+    split of any total), and the best total along the way is kept. Every total is
+    priced, not only until one fails to help: a verification curve has steps (a batch
+    past a kernel's tile costs much more than the one before), and a draft total just
+    past one can rate worse than drafting more or nothing at all."""
     fits = [p for p in plans if p.k > 0 and p.fits]
     if not fits:
         return
@@ -259,16 +264,15 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
         passes = verify_cost(costs.verify, batch) + (costs.switch if batch != last_size else 0)
         return tokens / (drafting + passes * costs.target_seconds)
 
-    ks = [p.k for p in fits]
-    best = rate(ks)
-    while any(ks):
-        tries = [[*ks[:i], k - 1, *ks[i + 1 :]] for i, k in enumerate(ks) if k > 0]
-        scores = [rate(t) for t in tries]
-        score = max(scores)
-        if score <= best:
-            break
-        ks, best = tries[scores.index(score)], score
-    for p, k in zip(fits, ks, strict=True):
+    ks = [0] * len(fits)
+    best, best_ks = rate(ks), list(ks)
+    while growing := [i for i, p in enumerate(fits) if ks[i] < p.k]:
+        i = max(growing, key=lambda i: gains[i][ks[i] + 1] - gains[i][ks[i]])
+        ks[i] += 1
+        score = rate(ks)
+        if score > best:
+            best, best_ks = score, list(ks)
+    for p, k in zip(fits, best_ks, strict=True):
         p.k = k
 
 
