@@ -73,7 +73,10 @@ class BatchSpeculation:
       time since its last: after EXPLORE_EVERY blocks if it lost little, up to
       EXPLORE_MOST if it lost much (a change in the text or the load is seen by then).
       The budget is time, not blocks: a drafting step takes several no-draft steps'
-      time, so a drafting block that loses costs that many times more.
+      time, so a drafting block that loses costs that many times more;
+    - a drafting block that drafted nothing (fit_to_batch cut every draft) counts as
+      the worse mode, whatever its clock said: its steps were the same batches as
+      without drafts, plus the policies' Python.
     A block's first step pays for the change of mode, and is not counted. One slot
     alone always drafts: its length policy already follows the clock."""
 
@@ -91,6 +94,9 @@ class BatchSpeculation:
             return True
         modes = self._by_size.setdefault(n, _Modes())
         if modes.left <= 0:
+            if modes.drafting:
+                modes.idle = not modes.drafted
+            modes.drafted = 0
             modes.drafting = self._next_mode(n, modes)
             modes.left = self.BLOCK
             modes.since_worse = 0 if modes.drafting == modes.worse else modes.since_worse + 1
@@ -120,10 +126,13 @@ class BatchSpeculation:
         wanted = math.ceil(loss * longer / self.EXPLORE_BUDGET)
         return min(self.EXPLORE_MOST, max(self.EXPLORE_EVERY, wanted))
 
-    def record(self, n: int, drafting: bool, tokens: int, seconds: float) -> None:
+    def record(self, n: int, drafting: bool, tokens: int, seconds: float, drafted: int) -> None:
+        """A step of n busy slots in this mode: the tokens it made, its time, and the
+        draft tokens it verified."""
         modes = self._by_size.get(n)
         if n <= 1 or seconds <= 0 or modes is None or modes.drafting != drafting:
             return
+        modes.drafted += drafted
         if modes.left == self.BLOCK - 1:  # the block's first step: a change of mode
             return
         count = modes.steps[drafting]
@@ -143,6 +152,8 @@ class _Modes:
     drafting: bool = True  # the current block's mode
     left: int = 0  # steps left in the current block
     since_worse: int = 0  # blocks since the worse mode's last
+    drafted: int = 0  # draft tokens verified in the current block
+    idle: bool = False  # the last drafting block drafted nothing
 
     @property
     def drafting_lost(self) -> bool:
@@ -150,8 +161,9 @@ class _Modes:
 
     @property
     def worse(self) -> bool:
-        """The mode measured slower (drafting, until it is measured)."""
-        return self.drafting_lost or not self.steps[True]
+        """The mode measured slower (drafting, until it is measured, and while it drafts
+        nothing)."""
+        return self.drafting_lost or not self.steps[True] or self.idle
 
 
 class PromptCache:
@@ -277,7 +289,9 @@ class Scheduler:
             return
         if players == len(generations):  # a step that read prompts is no round's measure
             made = sum(len(g.round.tokens) for g in generations if g.round)
-            self.speculation.record(players, speculate, made, time.perf_counter() - start)
+            drafted = sum(len(g.draft.tokens) for g in generations)
+            seconds = time.perf_counter() - start
+            self.speculation.record(players, speculate, made, seconds, drafted)
         self.counters.decodes += 1
         self.counters.busy_slot_decodes += len(busy)
         self.counters.decoded_tokens += n_tokens
