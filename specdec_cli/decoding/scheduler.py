@@ -62,7 +62,7 @@ class BatchSpeculation:
     its size), the server's threads beside the decode. Where verification is steep (a
     CPU) that can decide, and speculation must never make a loaded server slower. So
     for each number of busy slots, the tokens per second of both modes, drafts (fitted)
-    and none (where drafts may be left out: greedy -k auto), are running averages
+    and none (where drafts may be left out: -k auto, greedy or coupled), are running averages
     over blocks of BLOCK steps, and the better mode runs.
 
     Finding out costs what the worse mode loses, so it is asked sparingly:
