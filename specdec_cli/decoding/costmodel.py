@@ -22,6 +22,8 @@ if TYPE_CHECKING:
 def verify_cost(verify: Mapping[int, float], n: int) -> float:
     """verify[n], extrapolated past the largest batch measured (a tree can be wider than
     any chain): each further token costs what the last measured one added."""
+    if n in verify:  # a lookup: this is priced many times a decode step (fit_to_batch)
+        return verify[n]
     top = max(verify)
     if n <= top:
         return verify[n]

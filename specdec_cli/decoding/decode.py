@@ -254,22 +254,24 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
     gains = [policy.expected_tokens(p.k) for policy, p in zip(policies, fits, strict=True)]
     drafts = [policy.costs.draft_seconds for policy in policies]
 
-    def rate(ks: list[int]) -> float:
-        tokens = len(others) + sum(gain[k] for gain, k in zip(gains, ks, strict=True))
-        # The slots draft together (draft_together), one draft call a depth for all of
-        # them: the deepest draft sets the calls, each about one token's cost (a draft
-        # model is small, and a few tokens a call is its flat part).
-        drafting = max(k * seconds for seconds, k in zip(drafts, ks, strict=True))
-        batch = fixed + sum(ks)
+    def rate(tokens: float, batch: int, drafting: float) -> float:
         passes = verify_cost(costs.verify, batch) + (costs.switch if batch != last_size else 0)
         return tokens / (drafting + passes * costs.target_seconds)
 
+    # As the drafts grow, what they promise, the batch, and the draft model's time follow
+    # each token added. The slots draft together (draft_together), one draft call a depth
+    # for all of them: the deepest draft sets the calls, each about one token's cost (a
+    # draft model is small, and a few tokens a call is its flat part).
     ks = [0] * len(fits)
-    best, best_ks = rate(ks), list(ks)
+    tokens, batch, drafting = len(others) + sum(gain[0] for gain in gains), fixed, 0.0
+    best, best_ks = rate(tokens, batch, drafting), list(ks)
     while growing := [i for i, p in enumerate(fits) if ks[i] < p.k]:
         i = max(growing, key=lambda i: gains[i][ks[i] + 1] - gains[i][ks[i]])
+        tokens += gains[i][ks[i] + 1] - gains[i][ks[i]]
         ks[i] += 1
-        score = rate(ks)
+        batch += 1
+        drafting = max(drafting, ks[i] * drafts[i])
+        score = rate(tokens, batch, drafting)
         if score > best:
             best, best_ks = score, list(ks)
     for p, k in zip(fits, best_ks, strict=True):
