@@ -239,6 +239,34 @@ def test_slots_draft_in_one_call_a_depth(
         assert tokens == alone(target_model, job)
 
 
+def test_a_prompt_that_ends_beside_generating_slots_starts_in_that_call(
+    target_model: Path, draft_model: Path, moderate_costs: None
+) -> None:
+    """A slot whose prompt's end fits in the step reads it as the start of its first
+    round, drafts (a tree) included: its first tokens come in the call that reads it,
+    the prompt is not counted as verified, and the text is still the target's alone. A
+    prompt longer than the step's budget reads a chunk first (the control)."""
+    with parallel_engine(target_model, draft_model, 3, k=3) as engine:
+        prompts = [engine.tokenize(p) for p in (PROMPT, PROMPT + " the little dog", LONG_PROMPT)]
+        decoders = [engine.make_decoder("model", "3", "4", slot=slot) for slot in range(3)]
+        rng = np.random.default_rng(0)
+        first = decoders[0].start(prompts[0], 40, rng, Stats())
+        step([first])  # reads its prompt
+        step([first], budget=16)  # its first round: it generates from now on
+        joining, reading = (decoders[i].start(prompts[i], 40, rng, Stats()) for i in (1, 2))
+        step([first, joining, reading], budget=16)
+        assert joining.round is not None and reading.round is None
+        assert joining.stats.target_passes == 1 and joining.stats.drafted > 0
+        assert max(joining.stats.batch_sizes) <= joining.stats.drafted + 1
+        assert joining.stats.prompt_seconds > 0
+        tokens = list(joining.round.tokens)
+        while not joining.finished:
+            step([joining])
+            tokens += joining.round.tokens if joining.round else []
+        assert max(joining.stats.batch_sizes) <= 4 + 1  # a tree of 4 and its root's token
+    assert tokens == alone(target_model, Job(decoders[1], prompts[1]))
+
+
 def test_a_draft_reads_its_own_row_after_other_slots_drafted(
     target_model: Path, draft_model: Path
 ) -> None:

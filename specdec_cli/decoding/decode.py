@@ -184,6 +184,7 @@ class Plan:
     fits: bool = False
     chosen: bool = True  # False: no policy was asked (a step without speculation)
     beside: int = 0  # tokens the other slots put in the same target call (their chains)
+    prompt: int = 0  # of the unseen tokens, the end of its prompt (read in this call)
 
 
 def step(
@@ -205,6 +206,12 @@ def step(
     readers = [g for g in generations if g.reading]
     players = [g for g in generations if not g.reading]
     alone = len(generations) == 1
+    budget = target.batch_room if budget is None else budget
+    if players:
+        joining = _joining(readers, budget)
+        readers = [g for g in readers if g not in joining]
+        players += joining
+        budget -= sum(g.unread for g in joining)
     plans = [g.plan(speculate or alone) for g in players]
     if not alone:
         read = sum(min(g.unread, target.n_batch) for g in readers)
@@ -220,13 +227,30 @@ def step(
     drafts = draft_together(drafting, [g.decoder.drafter.ctx for g in players if g.decoder.drafter])
     for g, plan, draft in zip(players, plans, drafts, strict=True):
         g.stage_round(plan, draft)
-    room = target.batch_room if budget is None else min(target.batch_room, budget)
+    room = min(target.batch_room, budget)
     for g in readers:
         room -= g.stage_prompt(room)
     n_tokens = target.flush()
     for g in players:
         g.conclude(timed=alone)
     return n_tokens
+
+
+def _joining(readers: Sequence[Generation], budget: int) -> list[Generation]:
+    """The readers, in turn, whose prompts end within `budget` prompt tokens of this
+    call: beside generating slots, each reads the end of its prompt as the start of its
+    first round, so that its first token comes in the same call and not a step later
+    (llama-server samples it right after the prompt too), and the step a new request
+    costs every slot is not paid twice. A recurrent target reads on: a rejected draft
+    would send its state back to before the prompt's end."""
+    joining = []
+    for g in readers:
+        target = g.decoder.target
+        if g.unread > budget or g.unread + 1 > target.n_batch or target.recurrent:
+            break
+        joining.append(g)
+        budget -= g.unread
+    return joining
 
 
 def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> None:
@@ -324,7 +348,7 @@ class Generation:
     @property
     def unread(self) -> int:
         """Prompt tokens the target has still to read (all but the last: see __init__)."""
-        return len(self.prompt) - 1 - len(self.decoder.target.tokens)
+        return max(0, len(self.prompt) - 1 - len(self.decoder.target.tokens))
 
     @property
     def reading(self) -> bool:
@@ -341,8 +365,9 @@ class Generation:
     # Rounds.
 
     def _begin(self) -> None:
-        """The prompt is read: the drafter reads it too, and the clocks start."""
-        decoder, stats = self.decoder, self.stats
+        """The prompt is read (or its end is the first round's): the drafter reads it
+        too, and the clocks start."""
+        decoder = self.decoder
         if decoder.drafter:
             decoder.drafter.begin(self.prompt, self.sampling, self.noise)
         for length in (decoder.length, *decoder.lengths.values()):
@@ -351,13 +376,18 @@ class Generation:
             decoder.tree.begin()
         self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
         self._contexts = [decoder.target, self._draft_ctx] if self._draft_ctx else [decoder.target]
+        self._start_clocks()
+        self._started = True
+
+    def _start_clocks(self) -> None:
+        """The prompt's time ends, the generation's begins."""
+        decoder, stats = self.decoder, self.stats
         self._verify_before = decoder.target.decode_seconds
         self._draft_before = _decode_seconds(self._draft_ctx)
         self._draft_calls_before = self._draft_ctx.decode_calls if self._draft_ctx else 0
         self._llama_before = sum(c.perf_seconds() for c in self._contexts)
         self._t_gen = self._round_end = time.perf_counter()
         stats.prompt_seconds = self._t_gen - self._t_start
-        self._started = True
 
     def plan(self, speculate: bool = True) -> Plan:
         """Who drafts this round and how much, as the slot's policies alone would have it.
@@ -375,10 +405,12 @@ class Generation:
         # and verify in one decode call (the logits of one call are all kept).
         room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
         limit = min(room - 1, target.n_batch - len(unseen))
+        prompt = self.unread  # a slot that joins (see _joining) reads its prompt's end
         if not speculate and self._fits and not self._repeating():
-            return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
+            length = self.decoder.length
+            return Plan(length, None, 0, limit, unseen, True, chosen=False, prompt=prompt)
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
-        return Plan(length, source, k, limit, unseen, self._fits)
+        return Plan(length, source, k, limit, unseen, self._fits, prompt=prompt)
 
     def drafting(self, plan: Plan) -> DraftSteps | None:
         """This round's draft, as the plan has it (see draft_together); None: none."""
@@ -458,7 +490,7 @@ class Generation:
         if eog is not None:
             new = new[:eog]
             stats.stop_reason = "eos"
-        n_batch = len(plan.unseen) + len(draft.tokens)
+        n_batch = len(plan.unseen) - plan.prompt + len(draft.tokens)
         stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
         self.tokens += new
         self.n_new += len(new)
@@ -470,6 +502,10 @@ class Generation:
             elif len(self.tokens) >= target.n_ctx:
                 stats.stop_reason = "context"
         self.finished = bool(stats.stop_reason)
+        if plan.prompt:  # the call read the prompt's end: its time is the prompt's, and
+            # its tokens come with it (as llama-server counts a first token)
+            self._start_clocks()
+            stats.seconds = 0.0
 
     def close(self) -> None:
         """The generation's figures, whether it ran to its end or was stopped early."""
