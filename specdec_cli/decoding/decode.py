@@ -191,8 +191,9 @@ def step(
     generations: Sequence[Generation], budget: int | None = None, speculate: bool = True
 ) -> int:
     """One round of every generation, in one target decode call: each drafts, stages its
-    verification batch (or a chunk of the prompt it is still reading) into the batch the
-    target contexts share, and after the one call verifies its rows. Every generation's
+    verification batch (or a chunk of the prompt it is still reading; beside other
+    slots, a prompt's end that fits starts its first round: see _joining) into the batch
+    the target contexts share, and after the one call verifies its rows. Every generation's
     target must be a slot of one llama.cpp context (Context.split).
 
     With several generations, their draft lengths are fitted to the batch as a whole
@@ -207,7 +208,7 @@ def step(
     players = [g for g in generations if not g.reading]
     alone = len(generations) == 1
     budget = target.batch_room if budget is None else budget
-    if players:
+    if not alone:
         joining = _joining(readers, budget)
         readers = [g for g in readers if g not in joining]
         players += joining
@@ -238,7 +239,7 @@ def step(
 
 def _joining(readers: Sequence[Generation], budget: int) -> list[Generation]:
     """The readers, in turn, whose prompts end within `budget` prompt tokens of this
-    call: beside generating slots, each reads the end of its prompt as the start of its
+    call: beside other slots, each reads the end of its prompt as the start of its
     first round, so that its first token comes in the same call and not a step later
     (llama-server samples it right after the prompt too), and the step a new request
     costs every slot is not paid twice. A recurrent target reads on: a rejected draft
