@@ -17,6 +17,7 @@ from specdec_cli.decoding.costmodel import (
     expected_tokens_per_pass,
     ideal_speedup,
     measure_costs,
+    verify_cost,
 )
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, init_backend
 
@@ -202,3 +203,15 @@ def test_costs_read_back_as_bench_writes_them() -> None:
     plans with another machine's costs so)."""
     costs = Costs(0.0012, 0.45, {1: 1.0, 2: 1.1, 3: 1.19}, 1.08)
     assert Costs.from_dict(json.loads(json.dumps(costs.to_dict()))) == costs
+
+
+def test_verify_cost_past_the_measured_sizes_never_falls() -> None:
+    """A measured curve's last step can fall (noise, as on the benchmark pair's 130 to
+    132 tokens): extrapolated from it, every larger batch would cost less. The slope of
+    the upper half goes on instead."""
+    curve = {n: 1.0 + 0.25 * (n - 1) for n in range(1, 130)} | {130: 32.0, 131: 31.5, 132: 31.0}
+    assert verify_cost(curve, 131) == 31.5  # measured: as measured
+    beyond = [verify_cost(curve, n) for n in (133, 150, 200)]
+    assert beyond == sorted(beyond) and beyond[0] > curve[132]
+    assert verify_cost(curve, 200) - verify_cost(curve, 150) == pytest.approx(50 * 0.22, rel=0.1)
+    assert verify_cost({1: 1.0}, 3) == 3.0  # one size measured: each token a pass

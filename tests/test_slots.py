@@ -201,6 +201,26 @@ def test_fit_to_batch_keeps_the_drafts_that_pay_most() -> None:
     assert [p.k for p in plans] == [4, 0]
 
 
+def test_fit_to_batch_leaves_a_prompts_cost_out() -> None:
+    """Each verified token costs a quarter pass. Four slots drafting at 90 % keep two
+    tokens each; beside a 40-token prompt read in the same call they keep none: the
+    prompt is paid whatever is drafted, and past it a token costs a quarter pass where
+    the slots' own four tokens ride for one pass together. Counted in the call's rate,
+    the prompt's cost made every draft look worth it."""
+    linear = Costs(0.01, 0.05, {n: 1.0 + 0.25 * (n - 1) for n in range(1, 66)})
+    for extra, kept in ((0, [2, 2, 2, 2]), (40, [0, 0, 0, 0])):
+        plans = [
+            plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=0.9), 4) for _ in range(4)
+        ]
+        fit_to_batch(plans, extra)
+        assert [p.k for p in plans] == kept
+    # A slot that starts in the call: its prompt's end is paid as a reader's is.
+    starting = replace(plan(FixedLength(0), 0, fits=False), unseen=[1] * 41, prompt=40)
+    plans = [plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=0.9), 4) for _ in range(3)]
+    fit_to_batch([*plans, starting])
+    assert [p.k for p in plans] == [0, 0, 0]
+
+
 def test_fit_to_batch_counts_one_draft_call_a_depth_for_all_slots() -> None:
     """The slots draft together: four drafts of 4 tokens cost 4 draft calls, not 16.
     With a draft call at 0.3 of a target pass and verification nearly free, drafting
@@ -239,13 +259,14 @@ def test_slots_draft_in_one_call_a_depth(
         assert tokens == alone(target_model, job)
 
 
-def test_a_prompt_that_ends_beside_generating_slots_starts_in_that_call(
+def test_a_prompt_that_ends_beside_other_slots_starts_in_that_call(
     target_model: Path, draft_model: Path, moderate_costs: None
 ) -> None:
     """A slot whose prompt's end fits in the step reads it as the start of its first
-    round, drafts (a tree) included: its first tokens come in the call that reads it,
-    the prompt is not counted as verified, and the text is still the target's alone. A
-    prompt longer than the step's budget reads a chunk first (the control)."""
+    round: its first token comes in the call that reads it, undrafted (its drafter reads
+    the prompt after that call), the prompt is not counted as verified, and the text,
+    drafted from the next round on, is still the target's alone. A prompt longer than
+    the step's budget reads a chunk first (the control)."""
     with parallel_engine(target_model, draft_model, 3, k=3) as engine:
         prompts = [engine.tokenize(p) for p in (PROMPT, PROMPT + " the little dog", LONG_PROMPT)]
         decoders = [engine.make_decoder("model", "3", "4", slot=slot) for slot in range(3)]
@@ -256,13 +277,13 @@ def test_a_prompt_that_ends_beside_generating_slots_starts_in_that_call(
         joining, reading = (decoders[i].start(prompts[i], 40, rng, Stats()) for i in (1, 2))
         step([first, joining, reading], budget=16)
         assert joining.round is not None and reading.round is None
-        assert joining.stats.target_passes == 1 and joining.stats.drafted > 0
-        assert max(joining.stats.batch_sizes) <= joining.stats.drafted + 1
-        assert joining.stats.prompt_seconds > 0
+        assert len(joining.round.tokens) == 1 and joining.stats.target_passes == 1
+        assert joining.stats.batch_sizes == {1: 1} and joining.stats.prompt_seconds > 0
         tokens = list(joining.round.tokens)
         while not joining.finished:
             step([joining])
             tokens += joining.round.tokens if joining.round else []
+        assert joining.stats.drafted > 0
         assert max(joining.stats.batch_sizes) <= 4 + 1  # a tree of 4 and its root's token
     assert tokens == alone(target_model, Job(decoders[1], prompts[1]))
 
@@ -507,6 +528,7 @@ def test_a_verbatim_repeat_drafts_in_a_step_without_speculation(target_model: Pa
         repeating = lookup.start(prompt, 8, np.random.default_rng(0), Stats())
         other = engine.make_decoder(None, "auto", slot=1)
         beside = other.start(engine.tokenize(PROMPT), 40, np.random.default_rng(0), Stats())
+        step([repeating])  # its prompt, read first: a round that reads it drafts nothing
         out: list[int] = []
         while not repeating.finished:
             step([repeating, beside], speculate=False)

@@ -21,14 +21,18 @@ if TYPE_CHECKING:
 
 def verify_cost(verify: Mapping[int, float], n: int) -> float:
     """verify[n], extrapolated past the largest batch measured (a tree can be wider than
-    any chain): each further token costs what the last measured one added."""
+    any chain, a prompt read beside drafts wider still): each further token costs what
+    one added, on average, over the upper half of the measured sizes. Not the last one
+    alone: a measured curve wobbles, and a last step that fell would make every larger
+    batch cheaper."""
     if n in verify:  # a lookup: this is priced many times a decode step (fit_to_batch)
         return verify[n]
     top = max(verify)
     if n <= top:
         return verify[n]
-    step = verify[top] - verify[top - 1] if top > 1 else verify[top]
-    return verify[top] + (n - top) * step
+    half = top // 2
+    step = (verify[top] - verify[half]) / (top - half) if half else verify[top]
+    return verify[top] + (n - top) * max(0.0, step)
 
 
 def expected_tokens_per_pass(alpha: float, k: int) -> float:

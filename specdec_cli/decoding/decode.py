@@ -240,9 +240,9 @@ def step(
 def _joining(readers: Sequence[Generation], budget: int) -> list[Generation]:
     """The readers, in turn, whose prompts end within `budget` prompt tokens of this
     call: beside other slots, each reads the end of its prompt as the start of its
-    first round, so that its first token comes in the same call and not a step later
-    (llama-server samples it right after the prompt too), and the step a new request
-    costs every slot is not paid twice. A recurrent target reads on: a rejected draft
+    first round (undrafted), so that its first token comes in the same call and not a
+    step later (llama-server samples it right after the prompt too), and the step a new
+    request costs every slot is not paid twice. A recurrent target reads on: a rejected draft
     would send its state back to before the prompt's end."""
     joining = []
     for g in readers:
@@ -266,7 +266,13 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
     split of any total), and the best total along the way is kept. Every total is
     priced, not only until one fails to help: a verification curve has steps (a batch
     past a kernel's tile costs much more than the one before), and a draft total just
-    past one can rate worse than drafting more or nothing at all."""
+    past one can rate worse than drafting more or nothing at all.
+
+    Prompt tokens in the call (`extra`, and the prompt ends of slots that start in it)
+    are paid whatever is drafted: their cost is left out of every rate. Counted in, a
+    prompt's cost would make the call's own rate so low that any draft raised it, while
+    drafts in the call must pay as they would in any other (a draft token priced at the
+    cost of the call's tokens past the prompt)."""
     fits = [p for p in plans if p.k > 0 and p.fits]
     if not fits:
         return
@@ -276,11 +282,14 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
     others = [p for p in plans if id(p) not in fitted]
     # What the other slots add: their tokens to the batch, and (at least) one new token each.
     fixed = extra + sum(len(p.unseen) for p in plans) + sum(p.k for p in others)
+    prompt = extra + sum(p.prompt for p in plans)
+    paid = verify_cost(costs.verify, prompt) if prompt else 0.0
     gains = [policy.expected_tokens(p.k) for policy, p in zip(policies, fits, strict=True)]
     drafts = [policy.costs.draft_seconds for policy in policies]
 
     def rate(tokens: float, batch: int, drafting: float) -> float:
-        passes = verify_cost(costs.verify, batch) + (costs.switch if batch != last_size else 0)
+        passes = verify_cost(costs.verify, batch) - paid
+        passes += costs.switch if batch != last_size else 0
         return tokens / (drafting + passes * costs.target_seconds)
 
     # As the drafts grow, what they promise, the batch, and the draft model's time follow
@@ -336,7 +345,9 @@ class Generation:
         self.draft = NO_DRAFT
         stats.k, stats.tree = decoder.label, decoder.tree_label
         stats.prompt_tokens = len(prompt)
-        self._t_start = time.perf_counter()
+        self._t_start = self._t_gen = self._round_end = time.perf_counter()
+        self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
+        self._contexts = [target, self._draft_ctx] if self._draft_ctx else [target]
         # The last prompt token goes into the first verification batch.
         stats.prompt_reused = target.reuse(prompt[:-1])
         self._started = False
@@ -366,8 +377,8 @@ class Generation:
     # Rounds.
 
     def _begin(self) -> None:
-        """The prompt is read (or its end is the first round's): the drafter reads it
-        too, and the clocks start."""
+        """The prompt is read (by the last call, for a slot that started in the call
+        that read its end): the drafter reads it too, and the clocks start."""
         decoder = self.decoder
         if decoder.drafter:
             decoder.drafter.begin(self.prompt, self.sampling, self.noise)
@@ -375,8 +386,6 @@ class Generation:
             length.begin(self.sampling.draft_invariant)
         if decoder.tree:
             decoder.tree.begin()
-        self._draft_ctx = decoder.drafter.ctx if decoder.drafter else None
-        self._contexts = [decoder.target, self._draft_ctx] if self._draft_ctx else [decoder.target]
         self._start_clocks()
         self._started = True
 
@@ -395,8 +404,6 @@ class Generation:
         `speculate` False: no draft where one may be left out (see Plan.fits), and then
         no policy is asked, so that the round costs what a target-only one does; but a
         text that repeats itself verbatim still drafts (see _repeating)."""
-        if not self._started:
-            self._begin()
         target = self.decoder.target
         # The target has not seen the last token (nor, after a recurrent model's
         # rewind, a few before it): they go first in the verification batch, and
@@ -406,12 +413,17 @@ class Generation:
         # and verify in one decode call (the logits of one call are all kept).
         room = min(self.n_predict - self.n_new, target.n_ctx - len(self.tokens))
         limit = min(room - 1, target.n_batch - len(unseen))
-        prompt = self.unread  # a slot that joins (see _joining) reads its prompt's end
-        if not speculate and self._fits and not self._repeating():
+        if self.unread:  # it starts in the call that reads its prompt's end (see _joining)
+            # and drafts from the next round on, as llama-server: its drafter has yet to
+            # read the prompt, and every slot of the call would wait for that and the draft.
             length = self.decoder.length
-            return Plan(length, None, 0, limit, unseen, True, chosen=False, prompt=prompt)
+            return Plan(length, None, 0, limit, unseen, chosen=False, prompt=self.unread)
+        if not self._started:
+            self._begin()
+        if not speculate and self._fits and not self._repeating():
+            return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
         length, source, k = self.decoder.who_drafts(self.tokens, limit)
-        return Plan(length, source, k, limit, unseen, self._fits, prompt=prompt)
+        return Plan(length, source, k, limit, unseen, self._fits)
 
     def drafting(self, plan: Plan) -> DraftSteps | None:
         """This round's draft, as the plan has it (see draft_together); None: none."""
