@@ -145,8 +145,8 @@ def plan(policy: AutoLength | FixedLength, k: int, fits: bool = True) -> Plan:
     return Plan(policy, None, k, 16, [1], fits)
 
 
-def auto(costs: Costs) -> AutoLength:
-    return AutoLength(costs, 0, 8, uses_confidence=False, prior=0.9)
+def auto(costs: Costs, prior: float = 0.9) -> AutoLength:
+    return AutoLength(costs, 0, 8, uses_confidence=False, prior=prior)
 
 
 def test_fit_to_batch_shrinks_drafts_where_verification_is_compute_bound() -> None:
@@ -184,7 +184,7 @@ def test_fit_to_batch_prices_every_total_on_a_stepped_curve() -> None:
     every total between, where shortening a token at a time would stop."""
     curve = {1: 1.0, 2: 1.01, 3: 1.2, 4: 1.28, **{n: 1.75 + 0.24 * (n - 5) for n in range(5, 66)}}
     stepped = Costs(0.01, 0.05, curve)
-    plans = [plan(AutoLength(stepped, 0, 8, uses_confidence=False, prior=0.8), 3) for _ in range(4)]
+    plans = [plan(auto(stepped, 0.8), 3) for _ in range(4)]
     fit_to_batch(plans)
     assert [p.k for p in plans] == [0, 0, 0, 0]
 
@@ -193,10 +193,7 @@ def test_fit_to_batch_keeps_the_drafts_that_pay_most() -> None:
     """Each verified token costs 0.3 of a pass: a slot whose drafts are nearly always
     taken keeps its 4, one that is rarely right drafts none."""
     linear = Costs(0.01, 0.05, {n: 1.0 + 0.3 * (n - 1) for n in range(1, 66)})
-    plans = [
-        plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=prior), 4)
-        for prior in (0.95, 0.3)
-    ]
+    plans = [plan(auto(linear, prior), 4) for prior in (0.95, 0.3)]
     fit_to_batch(plans)
     assert [p.k for p in plans] == [4, 0]
 
@@ -209,14 +206,12 @@ def test_fit_to_batch_leaves_a_prompts_cost_out() -> None:
     the prompt's cost made every draft look worth it."""
     linear = Costs(0.01, 0.05, {n: 1.0 + 0.25 * (n - 1) for n in range(1, 66)})
     for extra, kept in ((0, [2, 2, 2, 2]), (40, [0, 0, 0, 0])):
-        plans = [
-            plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=0.9), 4) for _ in range(4)
-        ]
+        plans = [plan(auto(linear), 4) for _ in range(4)]
         fit_to_batch(plans, extra)
         assert [p.k for p in plans] == kept
     # A slot that starts in the call: its prompt's end is paid as a reader's is.
     starting = replace(plan(FixedLength(0), 0, fits=False), unseen=[1] * 41, prompt=40)
-    plans = [plan(AutoLength(linear, 0, 8, uses_confidence=False, prior=0.9), 4) for _ in range(3)]
+    plans = [plan(auto(linear), 4) for _ in range(3)]
     fit_to_batch([*plans, starting])
     assert [p.k for p in plans] == [0, 0, 0]
 

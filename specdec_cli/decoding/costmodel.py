@@ -28,8 +28,6 @@ def verify_cost(verify: Mapping[int, float], n: int) -> float:
     if n in verify:  # a lookup: this is priced many times a decode step (fit_to_batch)
         return verify[n]
     top = max(verify)
-    if n <= top:
-        return verify[n]
     half = top // 2
     step = (verify[top] - verify[half]) / (top - half) if half else verify[top]
     return verify[top] + (n - top) * max(0.0, step)

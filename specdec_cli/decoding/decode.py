@@ -209,10 +209,9 @@ def step(
     alone = len(generations) == 1
     budget = target.batch_room if budget is None else budget
     if not alone:
-        joining = _joining(readers, budget)
+        joining, budget = _joining(readers, budget)
         readers = [g for g in readers if g not in joining]
         players += joining
-        budget -= sum(g.unread for g in joining)
     plans = [g.plan(speculate or alone) for g in players]
     if not alone:
         read = sum(min(g.unread, target.n_batch) for g in readers)
@@ -237,13 +236,14 @@ def step(
     return n_tokens
 
 
-def _joining(readers: Sequence[Generation], budget: int) -> list[Generation]:
+def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generation], int]:
     """The readers, in turn, whose prompts end within `budget` prompt tokens of this
-    call: beside other slots, each reads the end of its prompt as the start of its
-    first round (undrafted), so that its first token comes in the same call and not a
-    step later (llama-server samples it right after the prompt too), and the step a new
-    request costs every slot is not paid twice. A recurrent target reads on: a rejected draft
-    would send its state back to before the prompt's end."""
+    call, and the budget they leave. Beside other slots, each reads the end of its
+    prompt as the start of its first round (undrafted), so that its first token comes in
+    the same call and not a step later (llama-server samples it right after the prompt
+    too), and the step a new request costs every slot is not paid twice. A recurrent
+    target reads on: a rejected draft would send its state back to before the prompt's
+    end."""
     joining = []
     for g in readers:
         target = g.decoder.target
@@ -251,7 +251,7 @@ def _joining(readers: Sequence[Generation], budget: int) -> list[Generation]:
             break
         joining.append(g)
         budget -= g.unread
-    return joining
+    return joining, budget
 
 
 def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> None:
@@ -507,6 +507,8 @@ class Generation:
         stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
         self.tokens += new
         self.n_new += len(new)
+        if plan.prompt:  # the call read the prompt's end: its time is the prompt's, and
+            self._start_clocks()  # its tokens come with it (as llama-server counts a first token)
         stats.seconds = time.perf_counter() - self._t_gen
         self.round = Round(new, min(n_accepted, len(new)), draft.source)
         if not stats.stop_reason:
@@ -515,10 +517,6 @@ class Generation:
             elif len(self.tokens) >= target.n_ctx:
                 stats.stop_reason = "context"
         self.finished = bool(stats.stop_reason)
-        if plan.prompt:  # the call read the prompt's end: its time is the prompt's, and
-            # its tokens come with it (as llama-server counts a first token)
-            self._start_clocks()
-            stats.seconds = 0.0
 
     def close(self) -> None:
         """The generation's figures, whether it ran to its end or was stopped early."""
