@@ -241,13 +241,13 @@ def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generatio
     call, and the budget they leave. Beside other slots, each reads the end of its
     prompt as the start of its first round (undrafted), so that its first token comes in
     the same call and not a step later (llama-server samples it right after the prompt
-    too), and the step a new request costs every slot is not paid twice. A recurrent
-    target reads on: a rejected draft would send its state back to before the prompt's
-    end."""
+    too), and the step a new request costs every slot is not paid twice. The round
+    drafts nothing, so nothing is rejected: a recurrent state is never sent back into
+    the prompt."""
     joining = []
     for g in readers:
         target = g.decoder.target
-        if g.unread > budget or g.unread + 1 > target.n_batch or target.recurrent:
+        if g.unread > budget or g.unread + 1 > target.n_batch:
             break
         joining.append(g)
         budget -= g.unread
