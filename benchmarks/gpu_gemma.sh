@@ -13,6 +13,11 @@
 #   benchmarks/gpu_gemma.sh part 0         # carry .gpu/part00 (then 1, 2, 3)
 #   benchmarks/gpu_gemma.sh measure        # wait for the build, join Gemma, measure
 #
+# Or, in one call that carries .gpu/kit and benchmarks/out/wide-target-q8_0.gguf (62 MB):
+#
+#   benchmarks/gpu_gemma.sh start && benchmarks/gpu_gemma.sh pair   # the benchmark pair's
+#                                          #   slots against llama-server, no Gemma
+#
 # .gpu/kit holds: src.tar.gz (the llama.cpp that llama-cpp-python 0.3.36 vendors, less
 # other backends, docs and models), pylib/llama_cpp (the binding's Python files, no
 # libraries: it loads the build's through LLAMA_CPP_LIB_PATH), whl/ (diskcache,
@@ -70,35 +75,55 @@ measure() {
     local gemma=$WORK/gemma-3-270m-q4_k_m.gguf
     cat "$WORK"/gemma/part0{0,1,2,3} >"$gemma" || return 1
     say "gemma $(sha256sum "$gemma" | cut -c1-16) (a5fd3b62230aa5ec expected)"
-    while [ ! -f "$WORK/build.done" ] && (($(left) > 200)); do sleep 5; done
-    say "build: $(cat "$WORK/build.done" 2>/dev/null || echo 'not done')"
-    tail -5 "$WORK/build.log"
-    grep -q "rc=0" "$WORK/build.done" || return 1
-    export LLAMA_CPP_LIB_PATH=$WORK/lb/bin PYTHONPATH=$WORK/site:$PWD PYTHONUNBUFFERED=1
-    export HF_HUB_OFFLINE=1 XDG_CACHE_HOME=$WORK/xdg
-    # llama.cpp's library before numpy's (see the README's "A crash first"): the runs of
-    # 2026-11-27 needed it for every command, and scripts that import numpy first still do
+    environment || return 1
+    # scripts that import numpy before llama.cpp's library still crash without it
     export LD_PRELOAD=$WORK/lb/bin/libllama.so
-    local specdec="python3 -m specdec_cli" draft=$WORK/kit/stories260K.gguf
-    if ! $specdec --version; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" \
-            "$WORK"/kit/whl_fallback/*.whl
-        $specdec --version || return 1
-    fi
-    $specdec --list-devices
+    local draft=$WORK/kit/stories260K.gguf
     # 1. across vocabularies, story prompts, greedy: chains and trees by k
-    guarded $specdec bench -m "$gemma" -d "$draft" --no-ngram -k 2,4,8,auto --tree off,auto \
+    guarded $SPECDEC bench -m "$gemma" -d "$draft" --no-ngram -k 2,4,8,auto --tree off,auto \
         --prompts benchmarks/stories.txt -n "$N" --repeat "$REPEAT" --json "$OUT/cross.json"
     # 2. the n-gram lookup, the built-in prompts
-    guarded $specdec bench -m "$gemma" -d ngram -k 4,auto --tree off,auto \
+    guarded $SPECDEC bench -m "$gemma" -d ngram -k 4,auto --tree off,auto \
         -n "$N" --repeat "$REPEAT" --json "$OUT/ngram.json"
     # 3. slots: specdec serve against llama-server, n-gram drafting
     guarded python3 benchmarks/serve_concurrency.py --preset specdec -m "$gemma" -d ngram \
         --parallel 4 --llama-server "$WORK/lb/bin/llama-server" -n 64 --requests "$REQUESTS" \
         --clients "$CLIENTS" --repeats "$REPEAT" --json "$OUT/serve.json"
     # 4. across vocabularies, sampled
-    guarded $specdec bench -m "$gemma" -d "$draft" --no-ngram -k 4,auto --temp 0.8 \
+    guarded $SPECDEC bench -m "$gemma" -d "$draft" --no-ngram -k 4,auto --temp 0.8 \
         --prompts benchmarks/stories.txt -n "$N" --repeat "$REPEAT" --json "$OUT/sampled.json"
+    say done
+}
+
+# wait for `start`'s build, then make specdec run from this checkout on it
+environment() {
+    while [ ! -f "$WORK/build.done" ] && (($(left) > 150)); do sleep 5; done
+    say "build: $(cat "$WORK/build.done" 2>/dev/null || echo 'not done')"
+    tail -3 "$WORK/build.log"
+    grep -q "rc=0" "$WORK/build.done" || return 1
+    export LLAMA_CPP_LIB_PATH=$WORK/lb/bin PYTHONPATH=$WORK/site:$PWD PYTHONUNBUFFERED=1
+    export HF_HUB_OFFLINE=1 XDG_CACHE_HOME=$WORK/xdg
+    SPECDEC="python3 -m specdec_cli"
+    if ! $SPECDEC --version; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" \
+            "$WORK"/kit/whl_fallback/*.whl
+        $SPECDEC --version || return 1
+    fi
+    $SPECDEC --list-devices
+    # The README's "A crash first": does loading llama.cpp's binding before numpy (as
+    # `python -m specdec_cli` does) cure the segfault at model load without LD_PRELOAD?
+    $SPECDEC run -m "$WORK/kit/stories260K.gguf" -p "Once upon a time" -n 8
+    say "a model loaded without LD_PRELOAD: rc=$?"
+}
+
+# the benchmark pair's slots: specdec serve (p1, p4-off, p4-on) against llama-server
+pair() {
+    environment || return 1
+    local target=benchmarks/out/wide-target-q8_0.gguf draft=$WORK/kit/stories260K.gguf
+    say "pair target $(sha256sum "$target" | cut -c1-16)"
+    guarded python3 benchmarks/serve_concurrency.py --preset specdec -m "$target" -d "$draft" \
+        --parallel 4 --llama-server "$WORK/lb/bin/llama-server" -n 64 --requests "$REQUESTS" \
+        --clients "$CLIENTS" --repeats "$REPEAT" --json "$OUT/pair-serve.json"
     say done
 }
 

@@ -8,6 +8,7 @@ text must not depend on what else runs beside it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -580,6 +581,41 @@ def test_the_prompt_cache_keeps_to_its_budget(target_model: Path) -> None:
         assert len(cache) == 1
         assert cache.best(other)[0] == len(other)
         assert cache.best(engine.tokenize(LONG_PROMPT))[0] <= 1  # BOS at most
+
+
+@pytest.mark.parametrize("slow", ["copies", "reads"])
+def test_the_prompt_cache_copies_only_while_a_copy_is_cheaper_than_a_read(
+    target_model: Path, monkeypatch: pytest.MonkeyPatch, slow: str
+) -> None:
+    """On a GPU a state beside other slots copies a run of cells at a time, slower than
+    reading its tokens again: there the cache must stop copying (A is read again, and B
+    is not saved). Where reads are the slower (this CPU's real models), it goes on."""
+    messages: list[str] = []
+    with parallel_engine(target_model, None, 2) as engine:
+        engine.slots.pop()
+        cache = PromptCache(2**30, messages.append)
+        scheduler = Scheduler(engine.slots, chunk=64, cache=cache)
+        a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
+        first, _ = run_in(scheduler, engine, a)
+        if slow == "copies":
+            slowed, pause = Context.save_state, 0.05
+        else:
+            slowed, pause = Context.flush, 0.01
+
+        def slower(*args: object) -> object:
+            time.sleep(pause)
+            return slowed(*args)
+
+        monkeypatch.setattr(Context, slowed.__name__, slower)
+        run_in(scheduler, engine, b)  # A's cells displaced: saved, and the copy timed
+        again, stats = run_in(scheduler, engine, a)
+    assert again == first
+    if slow == "copies":
+        assert not cache.copying and stats.prompt_reused <= 1 and len(cache) == 1
+        assert len(messages) == 1 and "stops copying" in messages[0]
+    else:
+        assert cache.copying and stats.prompt_reused == len(a) - 1 and len(cache) == 2
+        assert not messages
 
 
 def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(

@@ -171,12 +171,26 @@ class PromptCache:
     held before another prompt took it is saved here, and a later prompt that starts
     the same way is loaded back into a slot instead of read again (the earlier turns of
     a chat, a system prompt, a prompt sent again). Least recently used first out, past
-    `max_bytes`."""
+    `max_bytes`.
 
-    def __init__(self, max_bytes: int) -> None:
+    A copy is not always cheaper than reading the tokens again. llama.cpp copies a
+    state one run of cells at a time (with flash attention off, one row of a run at a
+    time), and beside other slots a sequence gets a run of cells each decode call: on a
+    GPU, where each run is a transfer of its own, such a state takes longer to copy
+    than to read (benchmarks/README.md). So the cache times its copies, the scheduler
+    the prompt tokens it reads, and the cache copies only while a token measures
+    cheaper to copy than to read (until both are measured, it copies)."""
+
+    DECAY = 0.5  # weight of the older measurements in each rate
+
+    def __init__(self, max_bytes: int, notify: Callable[[str], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self._saved: OrderedDict[tuple[int, ...], SavedState] = OrderedDict()
         self._bytes = 0
+        self._notify = notify
+        self.copy_seconds: float | None = None  # a token saved or loaded
+        self.read_seconds: float | None = None  # a prompt token read
+        self.copying = True
 
     def best(self, prompt: list[int]) -> tuple[int, SavedState | None]:
         """The saved state that holds the longest start of `prompt`, and its length."""
@@ -197,16 +211,49 @@ class PromptCache:
         # A saved prefix of it is no longer needed: this holds all that one did.
         for held in [t for t in self._saved if tokens[: len(t)] == t]:
             self._bytes -= self._saved.pop(held).nbytes
+        start = time.perf_counter()
         try:
             saved = target.save_state()
         except RuntimeError:  # a cache is a help, never a reason to fail a request
             return
+        self._copied(len(tokens), time.perf_counter() - start)
         if saved.nbytes > self.max_bytes:
             return
         self._saved[tokens] = saved
         self._bytes += saved.nbytes
         while self._bytes > self.max_bytes:
             self._bytes -= self._saved.popitem(last=False)[1].nbytes
+
+    def load(self, target: Context, saved: SavedState) -> None:
+        """Make `target` hold `saved` (RuntimeError: llama.cpp found no room for it)."""
+        start = time.perf_counter()
+        target.load_state(saved)
+        self._copied(len(saved.tokens), time.perf_counter() - start)
+
+    def read(self, n_tokens: int, seconds: float) -> None:
+        """A decode call that read `n_tokens` prompt tokens took `seconds` (all of it is
+        counted: beside other slots the reading is the dearer for it, never cheaper)."""
+        self.read_seconds = self._blend(self.read_seconds, seconds / n_tokens)
+        self._judge()
+
+    def _copied(self, n_tokens: int, seconds: float) -> None:
+        self.copy_seconds = self._blend(self.copy_seconds, seconds / max(1, n_tokens))
+        self._judge()
+
+    def _blend(self, old: float | None, new: float) -> float:
+        return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
+
+    def _judge(self) -> None:
+        copy, read = self.copy_seconds, self.read_seconds
+        copying = copy is None or read is None or copy <= read
+        if copying != self.copying and self._notify is not None:
+            assert copy is not None and read is not None
+            verb = "copies states again" if copying else "stops copying states"
+            self._notify(
+                f"the prompt cache {verb}: a token took {copy * 1e3:.3f} ms to copy "
+                f"and {read * 1e3:.3f} ms to read"
+            )
+        self.copying = copying
 
     def __len__(self) -> int:
         return len(self._saved)
@@ -251,15 +298,16 @@ class Scheduler:
         this slot or the prompt cache has: what the slot held goes to the cache first,
         if the prompt will not keep all of it."""
         slot = self.free_slot(prompt)
-        if slot is None or self.cache is None or slot.target.recurrent:
+        cache = self.cache
+        if slot is None or cache is None or slot.target.recurrent or not cache.copying:
             return slot
         own = common_prefix(slot.target.tokens, prompt)
-        cached, saved = self.cache.best(prompt)
+        cached, saved = cache.best(prompt)
         if own < len(slot.target.tokens) or (saved is not None and cached > own):
-            self.cache.save(slot.target)
-        if saved is not None and cached > own:
+            cache.save(slot.target)
+        if saved is not None and cached > own and cache.copying:
             try:
-                slot.target.load_state(saved)
+                cache.load(slot.target, saved)
             except RuntimeError:  # no room for it in the cells: the prompt is read instead
                 slot.target.rewind(0)
         return slot
@@ -280,6 +328,7 @@ class Scheduler:
         generations = [slot.task.generation for slot in busy if slot.task]
         players = sum(not g.reading for g in generations)
         speculate = self.speculation.choose(players)
+        unread = sum(g.unread for g in generations)
         start = time.perf_counter()
         try:
             n_tokens = step(generations, self.chunk if players else None, speculate)
@@ -287,10 +336,13 @@ class Scheduler:
             for slot in busy:
                 self._end(slot, error)
             return
+        seconds = time.perf_counter() - start
+        read = unread - sum(g.unread for g in generations)
+        if read and self.cache is not None:
+            self.cache.read(read, seconds)
         if players == len(generations):  # a step that read prompts is no round's measure
             made = sum(len(g.round.tokens) for g in generations if g.round)
             drafted = sum(len(g.draft.tokens) for g in generations)
-            seconds = time.perf_counter() - start
             self.speculation.record(players, speculate, made, seconds, drafted)
         self.counters.decodes += 1
         self.counters.busy_slot_decodes += len(busy)

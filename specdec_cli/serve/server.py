@@ -193,7 +193,7 @@ class Service:
         if engine.decoder.drafter is not None:
             engine.costs()
         cache_mib = self.options.cache_ram
-        cache = PromptCache(cache_mib * 2**20) if cache_mib > 0 else None
+        cache = PromptCache(cache_mib * 2**20, note) if cache_mib > 0 else None
         self.scheduler = Scheduler(engine.slots, self.engine_options.n_ubatch, cache)
         return engine
 
