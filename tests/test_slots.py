@@ -587,9 +587,10 @@ def test_the_prompt_cache_keeps_to_its_budget(target_model: Path) -> None:
 def test_the_prompt_cache_copies_only_while_a_copy_is_cheaper_than_a_read(
     target_model: Path, monkeypatch: pytest.MonkeyPatch, slow: str
 ) -> None:
-    """On a GPU a state beside other slots copies a run of cells at a time, slower than
-    reading its tokens again: there the cache must stop copying (A is read again, and B
-    is not saved). Where reads are the slower (this CPU's real models), it goes on."""
+    """On a GPU a state copies a run of cells at a time, each run a transfer: where a
+    copy is timed dearer than reading its tokens again, the cache must leave states out
+    (A is read again, and B is not saved). Where reads are the dearer (this CPU's real
+    models), it copies."""
     messages: list[str] = []
     with parallel_engine(target_model, None, 2) as engine:
         engine.slots.pop()
@@ -611,11 +612,43 @@ def test_the_prompt_cache_copies_only_while_a_copy_is_cheaper_than_a_read(
         again, stats = run_in(scheduler, engine, a)
     assert again == first
     if slow == "copies":
-        assert not cache.copying and stats.prompt_reused <= 1 and len(cache) == 1
-        assert len(messages) == 1 and "stops copying" in messages[0]
+        assert cache.skipped == 2 and stats.prompt_reused <= 1 and len(cache) == 1
+        assert len(messages) == 1 and "cost more to copy than to read" in messages[0]
     else:
-        assert cache.copying and stats.prompt_reused == len(a) - 1 and len(cache) == 2
+        assert cache.skipped == 0 and stats.prompt_reused == len(a) - 1 and len(cache) == 2
         assert not messages
+
+
+def test_a_sequence_beside_other_slots_holds_a_run_of_cells_a_call(target_model: Path) -> None:
+    """llama.cpp copies a state a run of adjacent cells at a time; each decode call
+    shared with other slots starts a run, calls alone extend one."""
+    with parallel_engine(target_model, None, 2) as engine:
+        a, b = engine.slots
+        a.prefill(engine.tokenize(LONG_PROMPT))  # read alone, in chunks
+        for token in range(5):
+            a.decode([token], len(a.tokens))
+        assert a.runs == 1
+        for token in range(6):
+            a.stage([token])
+            b.stage([token])
+            a.flush()
+        assert a.runs == b.runs + 1 == 7
+        a.rewind(len(a.tokens) - 1)
+        a.decode([9], len(a.tokens))  # after a rewind, no longer beside its last run
+        assert a.runs == 8 and a.save_state().runs == 8
+        a.rewind(0)
+        assert a.runs == 0
+
+
+def test_the_prompt_cache_prices_a_copy_by_its_runs() -> None:
+    cache = PromptCache(2**30)
+    # Until a copy is timed, only states of few runs are copied (to time one).
+    assert cache.pays(PromptCache.FIRST_RUNS, 1)
+    assert not cache.pays(PromptCache.FIRST_RUNS + 1, 10**6)
+    cache.run_seconds, cache.read_seconds = 1e-3, 1e-4  # a run copied, a token read
+    assert cache.pays(1, 100, copies=2) and cache.pays(100, 1000)
+    assert not cache.pays(64, 100) and not cache.pays(6, 100, copies=2)
+    assert cache.skipped == 2
 
 
 def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(

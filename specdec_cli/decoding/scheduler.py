@@ -174,23 +174,26 @@ class PromptCache:
     `max_bytes`.
 
     A copy is not always cheaper than reading the tokens again. llama.cpp copies a
-    state one run of cells at a time (with flash attention off, one row of a run at a
-    time), and beside other slots a sequence gets a run of cells each decode call: on a
-    GPU, where each run is a transfer of its own, such a state takes longer to copy
-    than to read (benchmarks/README.md). So the cache times its copies, the scheduler
-    the prompt tokens it reads, and the cache copies only while a token measures
-    cheaper to copy than to read (until both are measured, it copies)."""
+    state a run of adjacent cells at a time, and beside other slots a sequence gets a
+    run each decode call (Context.runs): on a GPU, where each run is a transfer of its
+    own (with flash attention off, one per row of a run), such a state can take longer
+    to copy than to read (benchmarks/README.md). So the cache times its copies by the
+    run, the scheduler the prompt tokens it reads, and a state is saved, or loaded, only
+    where its runs are priced below reading its tokens again. Until a copy is timed,
+    only states of at most FIRST_RUNS runs are copied, so that the first one timed is
+    never a long one."""
 
     DECAY = 0.5  # weight of the older measurements in each rate
+    FIRST_RUNS = 32
 
     def __init__(self, max_bytes: int, notify: Callable[[str], None] | None = None) -> None:
         self.max_bytes = max_bytes
         self._saved: OrderedDict[tuple[int, ...], SavedState] = OrderedDict()
         self._bytes = 0
         self._notify = notify
-        self.copy_seconds: float | None = None  # a token saved or loaded
+        self.run_seconds: float | None = None  # a run of cells saved or loaded
         self.read_seconds: float | None = None  # a prompt token read
-        self.copying = True
+        self.skipped = 0  # copies left out as dearer than reading
 
     def best(self, prompt: list[int]) -> tuple[int, SavedState | None]:
         """The saved state that holds the longest start of `prompt`, and its length."""
@@ -203,10 +206,29 @@ class PromptCache:
             self._saved.move_to_end(best[1].tokens)
         return best
 
+    def pays(self, runs: int, n_tokens: int, copies: int = 1) -> bool:
+        """Whether `copies` copies of a state of `runs` runs cost less than reading
+        `n_tokens` tokens again (a state left out as dearer is counted, the first said)."""
+        if self.run_seconds is None:
+            return runs <= self.FIRST_RUNS
+        if self.read_seconds is None or copies * runs * self.run_seconds <= (
+            n_tokens * self.read_seconds
+        ):
+            return True
+        if not self.skipped and self._notify is not None:
+            self._notify(
+                "the prompt cache leaves out states that cost more to copy than to read "
+                f"again: {self.run_seconds * 1e3:.3f} ms a run of cells copied, "
+                f"{self.read_seconds * 1e3:.3f} ms a prompt token read"
+            )
+        self.skipped += 1
+        return False
+
     def save(self, target: Context) -> None:
-        """Keep what `target` holds (unless it is held already, or is too large)."""
+        """Keep what `target` holds (unless it is held already, is too large, or costs
+        more to save and load than to read again)."""
         tokens = tuple(target.tokens)
-        if not tokens or tokens in self._saved:
+        if not tokens or tokens in self._saved or not self.pays(target.runs, len(tokens), 2):
             return
         # A saved prefix of it is no longer needed: this holds all that one did.
         for held in [t for t in self._saved if tokens[: len(t)] == t]:
@@ -216,7 +238,7 @@ class PromptCache:
             saved = target.save_state()
         except RuntimeError:  # a cache is a help, never a reason to fail a request
             return
-        self._copied(len(tokens), time.perf_counter() - start)
+        self._copied(saved.runs, time.perf_counter() - start)
         if saved.nbytes > self.max_bytes:
             return
         self._saved[tokens] = saved
@@ -228,32 +250,18 @@ class PromptCache:
         """Make `target` hold `saved` (RuntimeError: llama.cpp found no room for it)."""
         start = time.perf_counter()
         target.load_state(saved)
-        self._copied(len(saved.tokens), time.perf_counter() - start)
+        self._copied(saved.runs, time.perf_counter() - start)
 
     def read(self, n_tokens: int, seconds: float) -> None:
         """A decode call that read `n_tokens` prompt tokens took `seconds` (all of it is
         counted: beside other slots the reading is the dearer for it, never cheaper)."""
         self.read_seconds = self._blend(self.read_seconds, seconds / n_tokens)
-        self._judge()
 
-    def _copied(self, n_tokens: int, seconds: float) -> None:
-        self.copy_seconds = self._blend(self.copy_seconds, seconds / max(1, n_tokens))
-        self._judge()
+    def _copied(self, runs: int, seconds: float) -> None:
+        self.run_seconds = self._blend(self.run_seconds, seconds / max(1, runs))
 
     def _blend(self, old: float | None, new: float) -> float:
         return new if old is None else self.DECAY * old + (1 - self.DECAY) * new
-
-    def _judge(self) -> None:
-        copy, read = self.copy_seconds, self.read_seconds
-        copying = copy is None or read is None or copy <= read
-        if copying != self.copying and self._notify is not None:
-            assert copy is not None and read is not None
-            verb = "copies states again" if copying else "stops copying states"
-            self._notify(
-                f"the prompt cache {verb}: a token took {copy * 1e3:.3f} ms to copy "
-                f"and {read * 1e3:.3f} ms to read"
-            )
-        self.copying = copying
 
     def __len__(self) -> int:
         return len(self._saved)
@@ -299,13 +307,15 @@ class Scheduler:
         if the prompt will not keep all of it."""
         slot = self.free_slot(prompt)
         cache = self.cache
-        if slot is None or cache is None or slot.target.recurrent or not cache.copying:
+        if slot is None or cache is None or slot.target.recurrent:
             return slot
         own = common_prefix(slot.target.tokens, prompt)
         cached, saved = cache.best(prompt)
-        if own < len(slot.target.tokens) or (saved is not None and cached > own):
+        loading = saved is not None and cached > own and cache.pays(saved.runs, cached - own)
+        if own < len(slot.target.tokens) or loading:
             cache.save(slot.target)
-        if saved is not None and cached > own and cache.copying:
+        if loading:
+            assert saved is not None
             try:
                 cache.load(slot.target, saved)
             except RuntimeError:  # no room for it in the cells: the prompt is read instead

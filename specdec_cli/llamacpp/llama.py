@@ -329,6 +329,12 @@ class Context:
         self._tree: _Tree | None = None  # the last decode's tree, until keep_branch
         self._staged_tree: _Tree | None = None
         self._branches = 0  # sequences after `seq` that may hold cells
+        # Runs of adjacent cells the sequence holds, as far as this side can tell: a decode
+        # call shared with other slots puts each slot's tokens after the last's, so each
+        # such call (and the first after cells were removed) starts a run. A state is
+        # copied a run at a time (see save_state).
+        self.runs = 0
+        self._run_open = False  # the next call alone extends the last run
 
     def split(self, n: int) -> list[Context]:
         """n contexts over this one's llama.cpp context, for n generations at once: each
@@ -476,10 +482,14 @@ class Context:
         """llama_decode every token staged since the last flush, by any slot: how many."""
         return self._shared.flush(self.model.path.name)
 
-    def _decoded(self, seconds: float) -> None:
-        """The flush that held this context's staged tokens is done."""
+    def _decoded(self, seconds: float, shared: bool) -> None:
+        """The flush that held this context's staged tokens is done (`shared`: with other
+        contexts' tokens)."""
         self.decode_seconds += seconds
         self.decode_calls += 1
+        if shared or not self._run_open:
+            self.runs += 1
+        self._run_open = not shared
         self._tree, self._staged_tree = self._staged_tree, None
 
     def _failed(self) -> None:
@@ -536,6 +546,8 @@ class Context:
             # examples/speculative (there with seq_keep, which would drop other slots).
             llama_cpp.llama_memory_seq_rm(self.memory, self.seq, -1, -1)
             llama_cpp.llama_memory_seq_cp(self.memory, self.seq + branch, self.seq, -1, -1)
+            self.runs += 1  # the path skips its siblings' cells: a run more, at least
+            self._run_open = False
             del self.tokens[self._last_call_start :]
             self.tokens.extend(tree.path_tokens(tree.leaves[branch]))
         self.drop_branches()
@@ -596,14 +608,16 @@ class Context:
 
     def save_state(self) -> SavedState:
         """A copy, in host memory, of what the sequence holds (its cells, or its
-        recurrent state), to be loaded again into this or another slot of the context."""
+        recurrent state), to be loaded again into this or another slot of the context.
+        llama.cpp copies it a run of cells at a time, and with flash attention off a row
+        of a run at a time: on a GPU each is a transfer of its own."""
         self.drop_branches()
         size = llama_cpp.llama_state_seq_get_size(self.ptr, self.seq)
         data = (ctypes.c_uint8 * size)()
         written = llama_cpp.llama_state_seq_get_data(self.ptr, data, size, self.seq)
         if written == 0 and self.tokens:
             raise RuntimeError(f"llama.cpp could not save a sequence of {self.model.path.name}")
-        return SavedState(tuple(self.tokens), data)
+        return SavedState(tuple(self.tokens), data, self.runs)
 
     def load_state(self, saved: SavedState) -> None:
         """Make the sequence hold what `saved` holds, in place of its own."""
@@ -611,6 +625,7 @@ class Context:
         if not llama_cpp.llama_state_seq_set_data(self.ptr, saved.data, len(saved.data), self.seq):
             raise RuntimeError(f"llama.cpp could not load a sequence of {self.model.path.name}")
         self.tokens = list(saved.tokens)
+        self.runs, self._run_open = saved.runs, False  # as scattered as the copy, at a guess
         self._last_call_start = len(self.tokens)  # no snapshots of a call to go back into
         self._checkpoint = _Checkpoint()
 
@@ -632,6 +647,9 @@ class Context:
         return n_keep > self._last_call_start and len(self.tokens) - n_keep <= self.n_rs_seq
 
     def _remove_from(self, pos: int) -> None:
+        self._run_open = False
+        if pos == 0:
+            self.runs = 0
         if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, pos, -1):
             raise RuntimeError(
                 f"llama.cpp could not remove tokens from position {pos} of "
@@ -651,6 +669,7 @@ class SavedState:
 
     tokens: tuple[int, ...]
     data: ctypes.Array
+    runs: int  # of cells it was copied from (see Context.runs)
 
     @property
     def nbytes(self) -> int:
@@ -706,7 +725,7 @@ class _Shared:
                 ctx._failed()
             raise RuntimeError(f"{name}: llama_decode failed with status {status}")
         for ctx in staged:
-            ctx._decoded(seconds)
+            ctx._decoded(seconds, len(staged) > 1)
         return n
 
     def close(self) -> None:
