@@ -23,8 +23,9 @@ from specdec_cli.decoding.drafters import ModelDrafter, TreeShape, propose
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import PieceStream
+from specdec_cli.decoding.promptcache import PromptCache
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
-from specdec_cli.decoding.scheduler import BatchSpeculation, PromptCache, Scheduler, Task
+from specdec_cli.decoding.scheduler import BatchSpeculation, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.treeshape import AutoTree

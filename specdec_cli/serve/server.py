@@ -50,7 +50,8 @@ from specdec_cli.commands.display import note, warn
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.pieces import Piece, PieceStream
-from specdec_cli.decoding.scheduler import Counters, PromptCache, Scheduler, Task
+from specdec_cli.decoding.promptcache import PromptCache
+from specdec_cli.decoding.scheduler import Counters, Scheduler, Task
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
