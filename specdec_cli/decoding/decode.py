@@ -243,9 +243,13 @@ def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generatio
     the same call and not a step later (llama-server samples it right after the prompt
     too), and the step a new request costs every slot is not paid twice. The round
     drafts nothing, so nothing is rejected: a recurrent state is never sent back into
-    the prompt."""
+    the prompt. A rejection-sampled generation does not join: its text depends on each
+    round's draft, and its first round drafts where it runs alone or its prompt is
+    cached, so it reads its prompt first wherever it runs (a seed gives one text)."""
     joining = []
     for g in readers:
+        if not g.sampling.draft_invariant:
+            continue
         target = g.decoder.target
         if g.unread > budget or g.unread + 1 > target.n_batch:
             break
