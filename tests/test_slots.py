@@ -117,15 +117,20 @@ def test_a_seeded_sampled_generation_is_the_same_beside_others(
     target_model: Path, draft_model: Path, moderate_costs: None
 ) -> None:
     """Its draft lengths are its own policy's (never fitted to the batch, and untimed),
-    so its random numbers go where they go alone; a greedy neighbour changes nothing."""
+    so its random numbers go where they go alone; a greedy neighbour changes nothing,
+    whether its prompt is cached or it starts in a call beside the neighbour's (where a
+    greedy request would read its prompt's end as an undrafted first round)."""
     with parallel_engine(target_model, draft_model, 2, k="auto", sampling=SAMPLING) as engine:
         prompt = engine.tokenize(PROMPT)
         sampled = Job(engine.decoders[0], prompt, 48, SAMPLING, seed=7)
         first = run_together([sampled])[0]
         neighbour = Job(engine.decoders[1], engine.tokenize(LONG_PROMPT), 48)
         beside = run_together([replace(sampled), neighbour])[0]
+        engine.slots[0].rewind(0)  # nothing cached: the prompt is read again
+        joined = run_together([neighbour, replace(sampled, start_at=3)])[1]
         other_seed = run_together([replace(sampled, seed=8)])[0]
     assert beside == first
+    assert joined == first
     assert other_seed != first  # the control: the seed does decide the text
 
 
@@ -670,18 +675,3 @@ def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(
         monkeypatch.setattr(Context, "load_state", refused)
         again, stats = run_in(scheduler, engine, a)
     assert again == first and stats.prompt_reused <= 1
-
-
-def test_a_seeded_sampled_request_that_joins_beside_others_is_the_same_as_alone(
-    target_model: Path, draft_model: Path, moderate_costs: None
-) -> None:
-    """A rejection-sampled text depends on every round's draft: a request that starts
-    in a call beside other slots (its prompt's end read with their rounds) must draw
-    as it would alone, where it read its prompt first."""
-    with parallel_engine(target_model, draft_model, 2, k="auto", sampling=SAMPLING) as engine:
-        sampled = Job(engine.decoders[0], engine.tokenize(PROMPT), 48, SAMPLING, seed=7)
-        first = run_together([sampled])[0]
-        engine.slots[0].rewind(0)  # nothing cached: the prompt is read again
-        neighbour = Job(engine.decoders[1], engine.tokenize(LONG_PROMPT), 48)
-        joined = run_together([neighbour, replace(sampled, start_at=3)])[1]
-    assert joined == first

@@ -210,11 +210,11 @@ class Scheduler:
             return slot
         own = common_prefix(slot.target.tokens, prompt)
         cached, saved = cache.best(prompt)
-        loading = saved is not None and cached > own and cache.pays(saved.runs, cached - own)
-        if own < len(slot.target.tokens) or loading:
+        if saved is not None and not (cached > own and cache.pays(saved.runs, cached - own)):
+            saved = None  # its copy would not save its cost in reading
+        if own < len(slot.target.tokens) or saved is not None:
             cache.save(slot.target)
-        if loading:
-            assert saved is not None
+        if saved is not None:
             try:
                 cache.load(slot.target, saved)
             except RuntimeError:  # no room for it in the cells: the prompt is read instead
@@ -237,7 +237,8 @@ class Scheduler:
         generations = [slot.task.generation for slot in busy if slot.task]
         players = sum(not g.reading for g in generations)
         speculate = self.speculation.choose(players)
-        unread = sum(g.unread for g in generations)
+        cache = self.cache
+        unread = sum(g.unread for g in generations) if cache else 0
         start = time.perf_counter()
         try:
             n_tokens = step(generations, self.chunk if players else None, speculate)
@@ -246,9 +247,9 @@ class Scheduler:
                 self._end(slot, error)
             return
         seconds = time.perf_counter() - start
-        read = unread - sum(g.unread for g in generations)
-        if read and self.cache is not None:
-            self.cache.read(read, seconds)
+        read = unread - sum(g.unread for g in generations) if unread else 0
+        if read and cache is not None:  # what reading a prompt token costs (see PromptCache)
+            cache.read(read, seconds)
         if players == len(generations):  # a step that read prompts is no round's measure
             made = sum(len(g.round.tokens) for g in generations if g.round)
             drafted = sum(len(g.draft.tokens) for g in generations)
