@@ -16,6 +16,7 @@ from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
+from specdec_cli.llamacpp import llama
 from specdec_cli.llamacpp.llama import ContextParams
 
 
@@ -101,3 +102,39 @@ def test_run_reports_the_choice(target_model: Path) -> None:
         ).stdout
     )
     assert record["flash_attn"] == {"asked": "on", "used": "on"}
+
+
+def test_auto_measures_in_the_servers_slots(
+    cache: Path,
+    target_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    contexts_made: list[ContextParams],
+) -> None:
+    """With slots, every token's attention spans every slot's cells (off computes them
+    all, masked; on skips other slots'): -fa auto times the engine's slots, each as
+    deep as its share of FLASH_ATTN_CELLS, every slot's batch in one decode call."""
+    calls: list[int] = []  # tokens in each decode call while flash attention is timed
+    shared_flush = llama._Shared.flush
+
+    def counted(self: llama._Shared, name: str) -> int:
+        n = shared_flush(self, name)
+        calls.append(n)
+        return n
+
+    def timed(self: Engine, n_ctx: int, threads: int) -> dict[str, float]:
+        with monkeypatch.context() as patch:
+            patch.setattr(llama._Shared, "flush", counted)
+            return time_flash_attn(self, n_ctx, threads)
+
+    time_flash_attn = Engine.time_flash_attn
+    monkeypatch.setattr(Engine, "time_flash_attn", timed)
+    with Engine(options(target_model, parallel=2)) as engine:
+        assert engine.flash_attn.used in ("on", "off")
+    on, off = contexts_made[:2]
+    assert (on.flash_attn, off.flash_attn) == ("on", "off")
+    assert on.n_seq_max == off.n_seq_max == 2
+    # 256 cells, two slots: each slot half of its 128 deep; a batch of 1 and 4 a slot.
+    assert sorted(set(calls)) == [2, 8, 64]
+    with Engine(options(target_model)):  # one slot: another measurement, cached apart
+        pass
+    assert sorted(set(calls)) == [1, 2, 4, 8, 64, 128]

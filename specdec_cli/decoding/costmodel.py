@@ -132,7 +132,7 @@ def measure_costs(
     probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
     probes = probes or [(target, 1)]  # one-token passes alone: a ratio of 1
     for ctx, _ in [(target, 1), *probes]:
-        _fill(ctx, position)
+        _fill([ctx], position)
 
     one: list[float] = []
     ratio: dict[int, list[float]] = {i: [] for i in range(len(probes))}
@@ -140,8 +140,8 @@ def measure_costs(
     for rep in range(reps + 1):
         for i in np.roll(np.arange(len(probes)), rep):
             ctx, n = probes[i]
-            _, base = _settled(target, 1, position)
-            first, steady = _settled(ctx, n, position)
+            _, base = _settled([target], 1, position)
+            first, steady = _settled([ctx], n, position)
             if rep:
                 one.append(base)
                 ratio[i].append(steady / base)
@@ -157,17 +157,20 @@ def measure_costs(
     return Costs(statistics.median(one), c, verify, switch)
 
 
-FLASH_ATTN_BATCHES = (1, 4)  # a drafting step, and a typical verification batch
+FLASH_ATTN_BATCHES = (1, 4)  # a slot's drafting step, and a typical verification batch
 
 
-def time_decodes(contexts: Mapping[str, Context], position: int, reps: int = 5) -> dict[str, float]:
-    """Seconds each context takes, at `position` tokens into its cache, to decode one
-    batch of each size in FLASH_ATTN_BATCHES (summed). Each size is decoded SETTLE
-    times and the last, steady pass is timed; the contexts take turns, in alternating order,
-    so that the machine's drift hits them alike; medians, after one untimed round."""
+def time_decodes(
+    contexts: Mapping[str, Sequence[Context]], position: int, reps: int = 5
+) -> dict[str, float]:
+    """Seconds each context takes, with each of its slots `position` tokens into its
+    cache, to decode one batch of each size in FLASH_ATTN_BATCHES from every slot in one
+    call, as a server's step does (summed). Each size is decoded SETTLE times and the
+    last, steady pass is timed; the contexts take turns, in alternating order, so that
+    the machine's drift hits them alike; medians, after one untimed round."""
     names = list(contexts)
-    for ctx in contexts.values():
-        _fill(ctx, position)
+    for slots in contexts.values():
+        _fill(slots, position)
 
     samples: dict[str, list[float]] = {name: [] for name in names}
     for rep in range(reps + 1):
@@ -175,8 +178,9 @@ def time_decodes(contexts: Mapping[str, Context], position: int, reps: int = 5) 
             seconds = sum(_settled(contexts[name], n, position)[1] for n in FLASH_ATTN_BATCHES)
             if rep:
                 samples[name].append(seconds)
-    for ctx in contexts.values():
-        ctx.trim(0)
+    for slots in contexts.values():
+        for ctx in slots:
+            ctx.trim(0)
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
@@ -191,27 +195,34 @@ def faster_flash_attn(seconds: Mapping[str, float]) -> str:
     return "on" if seconds["on"] <= seconds["off"] else "off"
 
 
-def _fill(ctx: Context, position: int) -> None:
-    ctx.trim(0)
-    ctx.decode([_filler(ctx)] * position, 0)
+def _fill(slots: Sequence[Context], position: int) -> None:
+    """Each slot (of one llama.cpp context: see Context.split) `position` tokens deep."""
+    for ctx in slots:
+        ctx.trim(0)
+        ctx.decode([_filler(ctx)] * position, 0)
 
 
-def _settled(ctx: Context, n: int, position: int) -> tuple[float, float]:
-    """Seconds of the first pass of an n-token batch (the shape changed) and of the
-    last of SETTLE passes (the steady cost)."""
+def _settled(slots: Sequence[Context], n: int, position: int) -> tuple[float, float]:
+    """Seconds of the first pass of a batch of n tokens a slot (the shape changed) and
+    of the last of SETTLE passes (the steady cost)."""
+    clock = slots[0]  # every slot's clock counts the one call they share
     times = []
     for _ in range(SETTLE):
-        before = ctx.decode_seconds
-        _decode_and_drop(ctx, n, position)
-        times.append(ctx.decode_seconds - before)
+        before = clock.decode_seconds
+        _decode_and_drop(slots, n, position)
+        times.append(clock.decode_seconds - before)
     return times[0], times[-1]
 
 
-def _decode_and_drop(ctx: Context, n: int, position: int) -> None:
-    """A batch of n tokens with logits for all, as a verification has; then forgotten."""
-    ctx.checkpoint()  # the whole batch goes: more than snapshots undo
-    ctx.decode([_filler(ctx)] * n, position, n_logits=n)
-    ctx.trim(position)
+def _decode_and_drop(slots: Sequence[Context], n: int, position: int) -> None:
+    """n tokens a slot with logits for all, as a verification has, in one decode call;
+    then forgotten."""
+    for ctx in slots:
+        ctx.checkpoint()  # the whole batch goes: more than snapshots undo
+        ctx.stage([_filler(ctx)] * n, n)
+    slots[0].flush()
+    for ctx in slots:
+        ctx.trim(position)
 
 
 def median_costs(measured: Sequence[Costs]) -> Costs:

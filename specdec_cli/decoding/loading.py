@@ -35,9 +35,12 @@ from specdec_cli.models import compat, gguf_meta
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
 TRANSLATED_ROOM = 2
-# Where -fa auto compares flash attention on and off: a few hundred tokens in, where
-# attention's share of a decode starts to show (at most half the context).
-FLASH_ATTN_POSITION = 256
+# How deep -fa auto compares flash attention on and off: this many tokens in the cache,
+# shared by every slot (at most half of each one's context). With slots, each token's
+# attention spans every slot's cells: off computes them all (masked), on skips the other
+# slots', so the slots a server will run must be in the cache that is timed. Deeper
+# would tell more, but filling the cache is most of the measurement's time.
+FLASH_ATTN_CELLS = 512
 
 Loaded = TypeVar("Loaded", bound="LoadedModels")
 
@@ -227,6 +230,8 @@ class LoadedModels:
             "gpu_layers": o.n_gpu_layers,
             "device": o.device,
             "repack": self.repack,
+            "slots": o.parallel,
+            "cells": FLASH_ATTN_CELLS,
         }
         key = costcache.cache_key([o.target], settings)
         used = (costcache.load_entry("flash_attn", key) or {}).get("used")
@@ -238,14 +243,17 @@ class LoadedModels:
 
     def time_flash_attn(self, n_ctx: int, threads: int) -> dict[str, float]:
         """Seconds of the target's decodes with flash attention "on" and "off", in two
-        short-lived contexts (see costmodel.time_decodes)."""
-        position = min(FLASH_ATTN_POSITION, n_ctx // 2)
-        size = position + max(FLASH_ATTN_BATCHES) + 1
+        short-lived contexts of as many slots as the engine's (see costmodel.time_decodes)."""
+        parallel = self.options.parallel
+        position = min(FLASH_ATTN_CELLS // parallel, n_ctx // parallel // 2)
+        size = (position + max(FLASH_ATTN_BATCHES) + 1) * parallel
         contexts: dict[str, Context] = {}
         try:
             for setting in ("on", "off"):
-                contexts[setting] = Context(self.model, ContextParams(size, threads, setting))
-            return time_decodes(contexts, position)
+                params = ContextParams(size, threads, setting, n_seq_max=parallel)
+                contexts[setting] = Context(self.model, params)
+            slots = {setting: ctx.split(parallel) for setting, ctx in contexts.items()}
+            return time_decodes(slots, position)
         finally:
             for context in contexts.values():
                 context.close()
