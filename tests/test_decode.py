@@ -136,8 +136,10 @@ def test_greedy_draft_equal_to_target(target_model: Path, fixture_reference, k: 
 
 @pytest.mark.parametrize("k", K_VALUES)
 def test_greedy_smaller_draft(
-    target_model: Path, draft_model: Path, fixture_reference, k: int
+    target_model: Path, draft_model: Path, fixture_reference, k: int, moderate_costs: None
 ) -> None:
+    # Costs pinned: a draft half the target's size hardly pays, and a noisy measurement
+    # made -k auto draft once in 64 tokens (a CI run), leaving nothing to reject.
     with open_engine(target_model, draft_model, k) as engine:
         out, stats = generate(engine)
     assert out == fixture_reference
