@@ -177,7 +177,10 @@ def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
 def test_serve_with_the_openai_client(gemma3: Path, tmp_path: Path) -> None:
     """No chat template in the file: the server falls back to ChatML and says so; the
     chat endpoint answers, as do completions, greedy equal to the engine's."""
-    server = start(tmp_path, "-m", str(gemma3), "-d", "ngram", "--temp", "0")
+    # What the server measures at start (flash attention, -k auto's costs) kept small:
+    # the measurements have tests of their own.
+    quick = ("-fa", "off", "--draft-max", "4", "--tree", "off")
+    server = start(tmp_path, "-m", str(gemma3), "-d", "ngram", "--temp", "0", *quick)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
         chat = client.chat.completions.create(
