@@ -52,10 +52,10 @@ def test_auto_uses_the_measured_faster_setting_and_caches_it(
     monkeypatch: pytest.MonkeyPatch,
     contexts_made: list[ContextParams],
 ) -> None:
-    timed: list[int] = []
+    timed: list[str] = []
 
-    def off_is_faster(self: Engine, n_ctx: int, threads: int) -> dict[str, float]:
-        timed.append(n_ctx)
+    def off_is_faster(self: Engine, model: loading.Model, n_ctx: int, threads: int) -> dict:
+        timed.append(model.path.name)
         return {"on": 2.0, "off": 1.0}
 
     monkeypatch.setattr(Engine, "time_flash_attn", off_is_faster)
@@ -64,13 +64,13 @@ def test_auto_uses_the_measured_faster_setting_and_caches_it(
     assert [p.flash_attn for p in contexts_made] == ["off", "off"]  # target and draft
     with Engine(options(target_model)) as again:  # cached: not measured again
         assert again.flash_attn.used == "off"
-    assert timed == [256]
+    assert timed == [target_model.name, draft_model.name]  # each model its own
     with Engine(options(target_model, n_gpu_layers=0)) as other:
         assert other.flash_attn.used == "off"
-    assert len(timed) == 2  # other settings: measured again
+    assert len(timed) == 3  # other settings: measured again
     with Engine(options(target_model, flash_attn="on")) as asked:  # given: not measured
         assert asked.flash_attn == FlashAttnChoice("on", "on")
-    assert len(timed) == 2 and contexts_made[-1].flash_attn == "on"
+    assert len(timed) == 3 and contexts_made[-1].flash_attn == "on"
 
 
 def test_auto_measures_for_real_and_uses_its_choice(
@@ -83,10 +83,13 @@ def test_auto_measures_for_real_and_uses_its_choice(
         pieces = measured.pieces(measured.tokenize("Once"), 4, rng, stats)
         text = "".join(p.text for p in pieces)
     assert choice.asked == "auto" and choice.used in ("on", "off")
-    # Two short-lived contexts measured "on" and "off"; then the long-lived ones.
-    assert [p.flash_attn for p in contexts_made] == ["on", "off", choice.used, choice.used]
-    (entry,) = cache.glob("flash_attn/*.json")
-    assert json.loads(entry.read_text()) == {"used": choice.used}
+    # For each model, two short-lived contexts measured "on" and "off", then its own.
+    target, draft = contexts_made[2], contexts_made[5]
+    assert [p.flash_attn for p in contexts_made[:2]] == ["on", "off"]
+    assert [p.flash_attn for p in contexts_made[3:5]] == ["on", "off"]
+    assert target.flash_attn == choice.used and draft.flash_attn in ("on", "off")
+    entries = [json.loads(entry.read_text()) for entry in cache.glob("flash_attn/*.json")]
+    assert sorted(e["used"] for e in entries) == sorted([choice.used, draft.flash_attn])
     assert text and stats.flash_attn == choice
     assert stats.summary().endswith(f", -fa auto -> {choice.used} (measured)")
     assert stats.to_dict()["flash_attn"] == {"asked": "auto", "used": choice.used}
@@ -121,10 +124,10 @@ def test_auto_measures_in_the_servers_slots(
         calls.append(n)
         return n
 
-    def timed(self: Engine, n_ctx: int, threads: int) -> dict[str, float]:
+    def timed(self: Engine, model: loading.Model, n_ctx: int, threads: int) -> dict:
         with monkeypatch.context() as patch:
             patch.setattr(llama._Shared, "flush", counted)
-            return time_flash_attn(self, n_ctx, threads)
+            return time_flash_attn(self, model, n_ctx, threads)
 
     time_flash_attn = Engine.time_flash_attn
     monkeypatch.setattr(Engine, "time_flash_attn", timed)
@@ -138,3 +141,25 @@ def test_auto_measures_in_the_servers_slots(
     with Engine(options(target_model)):  # one slot: another measurement, cached apart
         pass
     assert sorted(set(calls)) == [1, 2, 4, 8, 64, 128]
+
+
+def test_the_draft_gets_its_own_choice(
+    cache: Path,
+    target_model: Path,
+    draft_model: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    contexts_made: list[ContextParams],
+) -> None:
+    """A small draft's heads can turn the choice the other way: stories260K's head size 8
+    decodes at half the speed with flash attention on, 1,024 tokens deep, where Gemma's
+    is faster on (benchmarks/README.md)."""
+
+    def draft_prefers_off(self: Engine, model: loading.Model, n_ctx: int, threads: int) -> dict:
+        on_faster = model.path == target_model
+        return {"on": 1.0, "off": 2.0} if on_faster else {"on": 2.0, "off": 1.0}
+
+    monkeypatch.setattr(Engine, "time_flash_attn", draft_prefers_off)
+    with Engine(options(target_model, draft_model)) as engine:
+        assert engine.flash_attn == FlashAttnChoice("auto", "on")
+        assert engine.draft_ctx is not None
+    assert [p.flash_attn for p in contexts_made] == ["on", "off"]  # target, draft

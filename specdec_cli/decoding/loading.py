@@ -113,7 +113,7 @@ class LoadedModels:
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
         threads = options.threads or physical_cores()
         # Before the contexts: their flash attention setting is fixed when they are made.
-        self.flash_attn = self._choose_flash_attn(n_ctx, threads)
+        self.flash_attn = self._choose_flash_attn(self.model, n_ctx, threads, options.n_gpu_layers)
         draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
         self.tree_nodes = self._tree_nodes(draft_model, n_ctx)
         # A tree's leaves are the target's sequences; the draft needs one per node it
@@ -128,10 +128,17 @@ class LoadedModels:
         self._costs: Costs | None = None
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
+            draft_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
+            draft_threads = options.threads_draft or threads
+            # Its own choice: a small model's heads can turn it the other way.
+            flash_attn = self._choose_flash_attn(
+                draft_model, draft_ctx, draft_threads, options.n_gpu_layers_draft
+            )
             context_params = self._context_params(
-                self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1),
-                options.threads_draft or threads,
+                draft_ctx,
+                draft_threads,
                 n_seq_max=(draft_seqs if self.tree_nodes else 1) * parallel,
+                flash_attn=flash_attn.used,
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         # The slots: one generation each, all verified in one decode call (see decode.step).
@@ -153,12 +160,17 @@ class LoadedModels:
         )
 
     def _context_params(
-        self, n_ctx: int, threads: int, n_rs_seq: int = 0, n_seq_max: int = 1
+        self,
+        n_ctx: int,
+        threads: int,
+        n_rs_seq: int = 0,
+        n_seq_max: int = 1,
+        flash_attn: str | None = None,
     ) -> ContextParams:
+        """`flash_attn`: the draft's (None: the target's)."""
         o = self.options
-        return ContextParams(
-            n_ctx, threads, self.flash_attn.used, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max
-        )
+        flash_attn = flash_attn or self.flash_attn.used
+        return ContextParams(n_ctx, threads, flash_attn, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max)
 
     def _tree_nodes(self, draft_model: Model | None, n_ctx: int) -> int:
         """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
@@ -217,9 +229,12 @@ class LoadedModels:
                 f"measuring {what} (once for {scope} and settings; kept in {costcache.cache_dir()})"
             )
 
-    def _choose_flash_attn(self, n_ctx: int, threads: int) -> FlashAttnChoice:
-        """-fa as given, or for "auto" whichever of on and off decodes the target faster
-        on this machine: measured once per target and settings, kept in the cache."""
+    def _choose_flash_attn(
+        self, model: Model, n_ctx: int, threads: int, gpu_layers: int | None
+    ) -> FlashAttnChoice:
+        """-fa as given, or for "auto" whichever of on and off decodes `model` (the
+        target, or the draft) faster on this machine: measured once per model and
+        settings, kept in the cache."""
         asked = self.options.flash_attn
         if asked != "auto":
             return FlashAttnChoice(asked, asked)
@@ -227,22 +242,22 @@ class LoadedModels:
         settings = {
             "measure": "flash_attn",
             "threads": threads,
-            "gpu_layers": o.n_gpu_layers,
-            "device": o.device,
+            "gpu_layers": gpu_layers,
+            "device": o.device if model is self.model or o.device_draft is None else o.device_draft,
             "repack": self.repack,
             "slots": o.parallel,
             "cells": FLASH_ATTN_CELLS,
         }
-        key = costcache.cache_key([o.target], settings)
+        key = costcache.cache_key([model.path], settings)
         used = (costcache.load_entry("flash_attn", key) or {}).get("used")
         if used not in ("on", "off"):
-            self._announce("flash attention on and off for -fa auto", "this model")
-            used = faster_flash_attn(self.time_flash_attn(n_ctx, threads))
+            self._announce("flash attention on and off for -fa auto", model.path.name)
+            used = faster_flash_attn(self.time_flash_attn(model, n_ctx, threads))
             costcache.save_entry("flash_attn", key, {"used": used})
         return FlashAttnChoice(asked, used)
 
-    def time_flash_attn(self, n_ctx: int, threads: int) -> dict[str, float]:
-        """Seconds of the target's decodes with flash attention "on" and "off", in two
+    def time_flash_attn(self, model: Model, n_ctx: int, threads: int) -> dict[str, float]:
+        """Seconds of `model`'s decodes with flash attention "on" and "off", in two
         short-lived contexts of as many slots as the engine's (see costmodel.time_decodes)."""
         parallel = self.options.parallel
         position = min(FLASH_ATTN_CELLS // parallel, n_ctx // parallel // 2)
@@ -251,7 +266,7 @@ class LoadedModels:
         try:
             for setting in ("on", "off"):
                 params = ContextParams(size, threads, setting, n_seq_max=parallel)
-                contexts[setting] = Context(self.model, params)
+                contexts[setting] = Context(model, params)
             slots = {setting: ctx.split(parallel) for setting, ctx in contexts.items()}
             return time_decodes(slots, position)
         finally:
