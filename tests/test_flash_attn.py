@@ -54,14 +54,19 @@ def test_auto_uses_the_measured_faster_setting_and_caches_it(
 ) -> None:
     timed: list[str] = []
 
-    def off_is_faster(self: Engine, model: loading.Model, n_ctx: int, threads: int) -> dict:
+    def off_is_faster_but_for_the_draft(
+        self: Engine, model: loading.Model, n_ctx: int, threads: int
+    ) -> dict[str, float]:
+        """Each model has its own choice: a small draft's heads can turn it the other way
+        (stories260K's head size 8 is faster off, deep in the cache, where Gemma 3 270M
+        with slots is faster on: benchmarks/README.md)."""
         timed.append(model.path.name)
-        return {"on": 2.0, "off": 1.0}
+        return {"on": 1.0, "off": 2.0} if model.path == draft_model else {"on": 2.0, "off": 1.0}
 
-    monkeypatch.setattr(Engine, "time_flash_attn", off_is_faster)
+    monkeypatch.setattr(Engine, "time_flash_attn", off_is_faster_but_for_the_draft)
     with Engine(options(target_model, draft_model)) as first:
         assert first.flash_attn == FlashAttnChoice("auto", "off")
-    assert [p.flash_attn for p in contexts_made] == ["off", "off"]  # target and draft
+    assert [p.flash_attn for p in contexts_made] == ["off", "on"]  # target and draft
     with Engine(options(target_model)) as again:  # cached: not measured again
         assert again.flash_attn.used == "off"
     assert timed == [target_model.name, draft_model.name]  # each model its own
@@ -141,25 +146,3 @@ def test_auto_measures_in_the_servers_slots(
     with Engine(options(target_model)):  # one slot: another measurement, cached apart
         pass
     assert sorted(set(calls)) == [1, 2, 4, 8, 64, 128]
-
-
-def test_the_draft_gets_its_own_choice(
-    cache: Path,
-    target_model: Path,
-    draft_model: Path,
-    monkeypatch: pytest.MonkeyPatch,
-    contexts_made: list[ContextParams],
-) -> None:
-    """A small draft's heads can turn the choice the other way: stories260K's head size 8
-    decodes at half the speed with flash attention on, 1,024 tokens deep, where Gemma's
-    is faster on (benchmarks/README.md)."""
-
-    def draft_prefers_off(self: Engine, model: loading.Model, n_ctx: int, threads: int) -> dict:
-        on_faster = model.path == target_model
-        return {"on": 1.0, "off": 2.0} if on_faster else {"on": 2.0, "off": 1.0}
-
-    monkeypatch.setattr(Engine, "time_flash_attn", draft_prefers_off)
-    with Engine(options(target_model, draft_model)) as engine:
-        assert engine.flash_attn == FlashAttnChoice("auto", "on")
-        assert engine.draft_ctx is not None
-    assert [p.flash_attn for p in contexts_made] == ["on", "off"]  # target, draft
