@@ -11,7 +11,9 @@ from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.llamacpp import backend, costcache
+from specdec_cli.llamacpp.llama import Model
 
 COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
 
@@ -102,4 +104,24 @@ def test_engines_measure_once_per_settings(
             assert again.costs() == measured
     with auto_engine(target_model, draft_model, threads=2) as other:  # other settings
         assert other.costs() != measured
+    assert len(list(cache.glob("costs/*.json"))) == 2
+
+
+def test_the_drafts_flash_attention_keys_the_costs(
+    cache: Path, target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The draft's flash attention is a choice of its own (see test_flash_attn), and the
+    draft's decodes cost what it makes them cost: costs measured with the other setting
+    are not its costs."""
+    draft_uses = ["on"]
+
+    def choose(self: Engine, model: Model, *args: object) -> FlashAttnChoice:
+        return FlashAttnChoice("auto", "off" if model.path == target_model else draft_uses[0])
+
+    monkeypatch.setattr(Engine, "_choose_flash_attn", choose)
+    with auto_engine(target_model, draft_model, threads=1) as first:
+        first.costs()
+    draft_uses[0] = "off"
+    with auto_engine(target_model, draft_model, threads=1) as second:
+        second.costs()
     assert len(list(cache.glob("costs/*.json"))) == 2

@@ -125,20 +125,21 @@ class LoadedModels:
         )
         self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
+        self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
         self._costs: Costs | None = None
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
             draft_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
             draft_threads = options.threads_draft or threads
             # Its own choice: a small model's heads can turn it the other way.
-            flash_attn = self._choose_flash_attn(
+            self.draft_flash_attn = self._choose_flash_attn(
                 draft_model, draft_ctx, draft_threads, options.n_gpu_layers_draft
-            )
+            ).used
             context_params = self._context_params(
                 draft_ctx,
                 draft_threads,
                 n_seq_max=(draft_seqs if self.tree_nodes else 1) * parallel,
-                flash_attn=flash_attn.used,
+                flash_attn=self.draft_flash_attn,
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         # The slots: one generation each, all verified in one decode call (see decode.step).
@@ -310,7 +311,7 @@ class LoadedModels:
         """What, besides the model files, changes what a decode call costs."""
         return {
             "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
-            "flash_attn": self.flash_attn.used,
+            "flash_attn": [self.flash_attn.used, self.draft_flash_attn],
             "sizes": sorted(sizes),
             **self._load_settings(),
         }
