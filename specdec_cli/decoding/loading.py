@@ -113,7 +113,9 @@ class LoadedModels:
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
         threads = options.threads or physical_cores()
         # Before the contexts: their flash attention setting is fixed when they are made.
-        self.flash_attn = self._choose_flash_attn(self.model, n_ctx, threads, options.n_gpu_layers)
+        self.flash_attn = self._choose_flash_attn(
+            self.model, n_ctx, threads, options.n_gpu_layers, options.device
+        )
         draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
         self.tree_nodes = self._tree_nodes(draft_model, n_ctx)
         # A tree's leaves are the target's sequences; the draft needs one per node it
@@ -129,14 +131,15 @@ class LoadedModels:
         self._costs: Costs | None = None
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
-            draft_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
+            draft_n_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
             draft_threads = options.threads_draft or threads
+            draft_device = options.device if options.device_draft is None else options.device_draft
             # Its own choice: a small model's heads can turn it the other way.
             self.draft_flash_attn = self._choose_flash_attn(
-                draft_model, draft_ctx, draft_threads, options.n_gpu_layers_draft
+                draft_model, draft_n_ctx, draft_threads, options.n_gpu_layers_draft, draft_device
             ).used
             context_params = self._context_params(
-                draft_ctx,
+                draft_n_ctx,
                 draft_threads,
                 n_seq_max=(draft_seqs if self.tree_nodes else 1) * parallel,
                 flash_attn=self.draft_flash_attn,
@@ -231,7 +234,7 @@ class LoadedModels:
             )
 
     def _choose_flash_attn(
-        self, model: Model, n_ctx: int, threads: int, gpu_layers: int | None
+        self, model: Model, n_ctx: int, threads: int, gpu_layers: int | None, device: str | None
     ) -> FlashAttnChoice:
         """-fa as given, or for "auto" whichever of on and off decodes `model` (the
         target, or the draft) faster on this machine: measured once per model and
@@ -244,7 +247,7 @@ class LoadedModels:
             "measure": "flash_attn",
             "threads": threads,
             "gpu_layers": gpu_layers,
-            "device": o.device if model is self.model or o.device_draft is None else o.device_draft,
+            "device": device,
             "repack": self.repack,
             "slots": o.parallel,
             "cells": FLASH_ATTN_CELLS,
