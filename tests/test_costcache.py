@@ -9,6 +9,7 @@ import pytest
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.loading import cost_sizes
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import FlashAttnChoice
@@ -125,3 +126,12 @@ def test_the_drafts_flash_attention_keys_the_costs(
     with auto_engine(target_model, draft_model, threads=1) as second:
         second.costs()
     assert len(list(cache.glob("costs/*.json"))) == 2
+
+
+def test_costs_are_measured_at_doubling_sizes_and_the_widest_round() -> None:
+    """Every size up to 5, then sizes that double, and the widest round; a doubling size
+    just below the widest is left out: it costs nearly the same, and the largest batches
+    are most of the measurement's time."""
+    assert cost_sizes(17) == {1, 2, 3, 4, 5, 9, 17}  # one slot's chain, up to 16 drafted
+    assert cost_sizes(132) == {1, 2, 3, 4, 5, 9, 17, 33, 65, 132}  # four slots' trees of 32
+    assert cost_sizes(3) == {1, 2, 3}

@@ -45,6 +45,17 @@ FLASH_ATTN_CELLS = 512
 Loaded = TypeVar("Loaded", bound="LoadedModels")
 
 
+def cost_sizes(top: int) -> set[int]:
+    """The batch sizes -k auto's costs are measured at, up to `top`, the widest round
+    (every slot's together): each size up to 5, where k mostly settles (their costs are
+    uneven: 2 tokens can cost less than 1); beyond, sizes that double, and `top` itself.
+    Those in between are interpolated. A doubling size in the last quarter below `top`
+    is left out: it costs nearly what `top` does, and the largest batches are most of
+    the measurement's time (with four slots, 129 tokens beside 132)."""
+    ladder = {2**i + 1 for i in range(top.bit_length()) if 4 * (2**i + 1) <= 3 * top}
+    return {*range(1, min(top, 5) + 1), *ladder, top}
+
+
 def model_params(
     n_gpu_layers: int | None, device: str | None, flag: str, repack: bool, local: bool = False
 ) -> ModelParams:
@@ -214,11 +225,7 @@ class LoadedModels:
             # With slots, a batch holds every slot's round.
             widest = max(self.options.drafting.draft_max, self.tree_nodes)
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
-            # Every size up to 5, where k mostly settles (their costs are uneven: 2
-            # tokens can cost less than 1); beyond, sizes double up to the largest, and
-            # those in between are interpolated.
-            sizes = {*range(1, min(top, 5) + 1), top}
-            sizes |= {2**i + 1 for i in range(top.bit_length()) if 2**i < top}
+            sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
             self._costs = costcache.load(key)
             if self._costs is None:
