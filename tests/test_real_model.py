@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
-from gguf import GGUFReader
 from test_cli_run import specdec
 from test_server import start
 
@@ -44,6 +44,10 @@ COPY_PROMPT = (
     "The dog sat on the log. The cat sat on the mat. The dog"
 )
 STORY_PROMPT = "Once upon a time, there was a little girl named Lily. She"
+# The command line with the module engine's settings (below): the costs it measured serve
+# the command's runs from the cache. Flash attention and -k auto's costs have tests of their
+# own, and measured again they would be most of these tests' time.
+QUICK = ("-fa", "off", "--tree", "off")
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +117,7 @@ def test_the_argmax_check_catches_a_lost_token(engine: Engine) -> None:
 
 def test_chat_with_its_format_named(gemma3: Path) -> None:
     """The base model has no template: --chat says so, --chat-template gemma formats it."""
-    args = ["run", "-m", str(gemma3), "-d", "ngram", "-p", "What is the capital of France?"]
+    args = ["run", "-m", str(gemma3), "-d", "ngram", "-p", "What is the capital of France?", *QUICK]
     refused = specdec(*args, "--chat", "-n", "4")
     assert refused.returncode == 2
     assert "no chat template" in refused.stderr and "--chat-template" in refused.stderr
@@ -139,7 +143,7 @@ def chat_prompt(path: Path, question: str, template: str) -> tuple[str, list[int
 
 def test_stop_string_on_real_text(gemma3: Path) -> None:
     """A stop string taken from the model's own greedy text cuts it just before."""
-    args = ["run", "-m", str(gemma3), "-d", "ngram", "-p", COPY_PROMPT, "--temp", "0"]
+    args = ["run", "-m", str(gemma3), "-d", "ngram", "-p", COPY_PROMPT, "--temp", "0", *QUICK]
     full = json.loads(specdec(*args, "-n", "24", "--json").stdout)
     stop = full["text"][10:16]
     cut = json.loads(specdec(*args, "-n", "24", "--json", "--stop", stop).stdout)
@@ -159,17 +163,31 @@ def gemma3_full_stop(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         (full_stop,) = model.tokenize(".", add_special=False)
     finally:
         model.close()
-    reader = GGUFReader(path, "r+")
-    field = reader.fields["tokenizer.ggml.eos_token_id"]
-    field.parts[field.data[0]][0] = full_stop
-    reader.data.flush()
+    set_eos(path, full_stop)
     return path
+
+
+def set_eos(path: Path, token: int) -> None:
+    """Make `token` the file's end-of-sequence id, in place. Its key-value record is found
+    by its bytes (the key's length as a uint64, the key, the value's type: uint32, 4)
+    and the value after it overwritten: reading the header with GGUFReader takes 20 s
+    here, most of it the 262,144 token strings."""
+    key = b"tokenizer.ggml.eos_token_id"
+    record = struct.pack("<Q", len(key)) + key + struct.pack("<I", 4)
+    with path.open("r+b") as file:
+        header = file.read(32 << 20)  # the metadata comes before the tensors
+        at = header.find(record)
+        assert at >= 0 and header.find(record, at + 1) < 0
+        file.seek(at + len(record))
+        file.write(struct.pack("<I", token))
 
 
 def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
     """The end-of-sequence token ends generation on real text, and is not printed."""
-    args = ["run", "-m", str(gemma3_full_stop), "-d", "ngram", "--temp", "0", "-n", "64"]
-    record = json.loads(specdec(*args, "-p", "What is the capital of France?", "--json").stdout)
+    # Another file, so nothing of it is in the cache: a fixed length measures nothing.
+    args = ["run", "-m", str(gemma3_full_stop), "-d", "ngram", "-k", "4", *QUICK, "--temp", "0"]
+    question = "What is the capital of France?"
+    record = json.loads(specdec(*args, "-n", "64", "-p", question, "--json").stdout)
     assert record["stop_reason"] == "eos"
     assert record["text"] == "\n\nThe capital of France is Paris"
 
@@ -177,9 +195,9 @@ def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
 def test_serve_with_the_openai_client(gemma3: Path, tmp_path: Path) -> None:
     """No chat template in the file: the server falls back to ChatML and says so; the
     chat endpoint answers, as do completions, greedy equal to the engine's."""
-    # What the server measures at start (flash attention, -k auto's costs) kept small:
-    # the measurements have tests of their own.
-    quick = ("-fa", "off", "--draft-max", "4", "--tree", "off")
+    # One slot, the machine's threads and the longest drafts (test_server's start asks
+    # for less), and QUICK: the module engine's costs, from the cache.
+    quick = ("-np", "1", "-t", "0", "--draft-max", str(DraftOptions().draft_max), *QUICK)
     server = start(tmp_path, "-m", str(gemma3), "-d", "ngram", "--temp", "0", *quick)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
