@@ -252,29 +252,19 @@ def report(curve: str, costs: Costs, result: dict[str, Any]) -> None:
     )
 
 
-def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
-    """--curve and --prompts, which the replays under modelled machines take."""
-    parser.add_argument("--curve", nargs="+", choices=CURVES, default=CURVES)
-    parser.add_argument("--prompts", type=Path, help="one prompt a line (default: built-in)")
-
-
-def read_prompts(path: Path | None) -> dict[str, str]:
-    """A file's prompts, one a line, named by line (None: the built-in prompts)."""
-    if path is None:
-        return BUILTIN_PROMPTS
-    lines = path.read_text().splitlines()
-    return {f"line {i}": line for i, line in enumerate(lines, 1) if line.strip()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", type=Path, default=DEFAULT_TARGET)
     parser.add_argument("--draft", default=str(DEFAULT_DRAFT), help="a GGUF file, or ngram")
     add_replay_arguments(parser)
-    add_curve_arguments(parser)
+    parser.add_argument("--curve", nargs="+", choices=CURVES, default=CURVES)
     parser.add_argument("--json", type=Path, help="write every figure here")
+    parser.add_argument("--prompts", type=Path, help="one prompt a line (default: built-in)")
     args = parser.parse_args()
-    prompts = read_prompts(args.prompts)
+    prompts = BUILTIN_PROMPTS
+    if args.prompts:
+        lines = args.prompts.read_text().splitlines()
+        prompts = {f"line {i}": line for i, line in enumerate(lines, 1) if line.strip()}
     # Contexts with room for the largest trees replayed, MAX_K deep.
     drafting = DraftOptions(k=str(MAX_K), tree=str(LARGEST_TREE))
     lookup = args.draft == "ngram"

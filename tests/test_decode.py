@@ -249,65 +249,6 @@ def test_auto_gives_verbatim_repeats_a_policy_that_starts_trusted(
         assert engine.make_decoder("model+ngram", "3").lengths == {}
 
 
-def longest_match(tokens: list[int], n_max: int = 4) -> int:
-    """How many of the last tokens (at most n_max) occurred before, in `tokens`."""
-    for n in range(min(n_max, len(tokens) - 1), 0, -1):
-        suffix = tokens[-n:]
-        if any(tokens[i : i + n] == suffix for i in range(len(tokens) - n)):
-            return n
-    return 0
-
-
-class RecordingLookup(NgramDrafter):
-    """A lookup that records, for every round it drafts, how long the match was."""
-
-    def __init__(self) -> None:
-        super().__init__(1, 4)
-        self.drafted_after: list[int] = []
-
-    def drafting(self, tokens: list[int], k: int, *args: object, **kwargs: object) -> DraftSteps:
-        self.drafted_after.append(longest_match(tokens))
-        return super().drafting(tokens, k, *args, **kwargs)  # type: ignore[arg-type]
-
-
-def test_a_lookups_shorter_matches_draft_by_their_own_policies(target_model: Path) -> None:
-    """After a match of one, two or three tokens (or none) a lookup's round is a source
-    of that length's, and its length comes from that source's policy: here none of
-    them drafts, and the longest matches' drafts 4. (This target's greedy text loops
-    after a while, so both kinds of round come.)"""
-    lookup = RecordingLookup()
-    with open_engine(target_model) as engine:
-        decoder = Decoder(
-            engine.target,
-            lookup,
-            GREEDY,
-            FixedLength(4),
-            lengths={source: FixedLength(0) for source in lookup.shorter_sources()},
-        )
-        out, stats = generate(engine, n_predict=200, decoder=decoder)
-    assert out == target_only(target_model, n_predict=200)
-    assert max(stats.draft_lengths) == 4
-    assert lookup.drafted_after and set(lookup.drafted_after) == {4}
-    assert stats.draft_lengths[0] > 1  # shorter matches came, undrafted (and the last round)
-
-
-def test_auto_gives_each_length_of_a_lookups_match_its_own_policy(
-    target_model: Path, draft_model: Path
-) -> None:
-    with open_engine(target_model, draft_model, "auto") as engine:
-        decoder = engine.make_decoder("ngram", "auto")
-        assert isinstance(decoder.drafter, NgramDrafter)
-        shorter = decoder.drafter.shorter_sources()
-        policies = [decoder.length, *(decoder.lengths[source] for source in shorter)]
-        assert all(isinstance(policy, AutoLength) for policy in policies)
-        assert len({id(policy) for policy in policies}) == len(policies) == 5
-        # Beside a draft model the lookup is one source, whatever its match.
-        assert set(engine.make_decoder("model+ngram", "auto").lengths) == {
-            "ngram",
-            NgramDrafter.VERBATIM_SOURCE,
-        }
-
-
 def test_verbatim_repeats_are_drafted_long(
     stories260k: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

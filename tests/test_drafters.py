@@ -123,23 +123,6 @@ def test_a_verbatim_repeat_is_a_source_of_its_own() -> None:
     assert lookup.sources(short) == ["ngram"]
 
 
-def test_a_lookups_source_is_the_length_of_its_match() -> None:
-    """A round after a match of the longest n-grams is the lookup's own; after a shorter
-    match, or none, it is a source of that length's (under -k auto each drafts by a
-    length policy of its own)."""
-    lookup = NgramDrafter(1, 4)
-    assert lookup.shorter_sources() == ["ngram-0", "ngram-1", "ngram-2", "ngram-3"]
-    for tokens, source in (
-        ([1, 2, 3, 4, 9, 1, 2, 3, 4], "ngram"),
-        ([1, 2, 3, 4, 9, 7, 3, 4], "ngram-2"),
-        ([1, 2, 3, 4, 9, 7, 8, 4], "ngram-1"),
-        ([1, 2, 3, 4, 9], "ngram-0"),
-    ):
-        lookup.begin(tokens)
-        assert lookup.sources(tokens) == [source]
-    assert NgramDrafter(3, 4).shorter_sources() == ["ngram-0", "ngram-3"]
-
-
 def test_verbatim_drafts_go_round_the_loop() -> None:
     """Past the end of the text, a verbatim draft repeats the tokens since the match, as
     the loop would; a plain lookup stops where the text does."""

@@ -68,9 +68,8 @@ class Decoder:
         tree_label: str = "off",
         lengths: Mapping[str, DraftLength] | None = None,
     ) -> None:
-        """`length` sets how much each round drafts; `lengths`, by source (see
-        Drafter.sources), for guesses that follow their own pattern: a lookup beside a
-        model, a lookup's shorter matches, verbatim repeats."""
+        """`length` sets how much each round drafts; `lengths`, by drafter name, for a
+        drafter whose guesses follow their own pattern (a lookup beside a model)."""
         self.target = target
         self.drafter = drafter
         self.sampling = sampling

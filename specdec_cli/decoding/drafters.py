@@ -612,8 +612,7 @@ class NgramDrafter:
         self._ends: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this index are in _ends
         self._text: list[int] = []  # the current generation's text, as last seen
-        # (text length, its match, the matched n-gram's length)
-        self._matched: tuple[int, Match, int] = (-1, ([], []), 0)
+        self._matched: tuple[int, Match] = (-1, ([], []))  # (text length, its match)
 
     def begin(
         self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
@@ -625,7 +624,7 @@ class NgramDrafter:
         self._ends = {}
         self._indexed = 0
         self._text = []
-        self._matched = (-1, ([], []), 0)
+        self._matched = (-1, ([], []))
 
     def _index(self, tokens: list[int], upto: int) -> None:
         for key, end in ngrams_ending(tokens, self._indexed, upto, self.n_min, self.n_max):
@@ -635,21 +634,7 @@ class NgramDrafter:
     def sources(self, tokens: list[int]) -> list[str]:
         if self.verbatim(tokens, self.matches(tokens)):
             return [self.VERBATIM_SOURCE, self.name]
-        return [self.source_of(self._matched[2])]
-
-    def source_of(self, n: int) -> str:
-        """The source of a round after a match of n tokens. The longest n-grams' rounds
-        are the lookup's own; those after a shorter match, or none, are sources of their
-        own ("ngram-2"), each drafting by its own length policy under -k auto: one or two
-        tokens seen before say far less of what follows than four. On a steep
-        verification curve only the longer matches' guesses pay, on a flat one the
-        shorter ones' too, and a policy apiece finds out which (benchmarks/README.md,
-        "A lookup's matches by their length")."""
-        return self.name if n >= self.n_max else f"{self.name}-{n}"
-
-    def shorter_sources(self) -> list[str]:
-        """The sources of the rounds after a shorter match than the longest, or none."""
-        return [self.source_of(n) for n in (0, *range(self.n_min, self.n_max))]
+        return [self.name]
 
     def verbatim(self, tokens: list[int], match: Match) -> bool:
         """Whether the latest match (see matches) is the last VERBATIM tokens repeated:
@@ -668,11 +653,10 @@ class NgramDrafter:
         round (the text only grows): who drafts and the draft both ask."""
         if self._matched[0] != len(tokens):
             self._text = tokens
-            self._matched = (len(tokens), *self._look_up(tokens))
+            self._matched = (len(tokens), self._look_up(tokens))
         return self._matched[1]
 
-    def _look_up(self, tokens: list[int]) -> tuple[Match, int]:
-        """The match, and the length of the n-gram matched (0: none)."""
+    def _look_up(self, tokens: list[int]) -> Match:
         # Index every n-gram that ends before the last token, then look the suffix up.
         self._index(tokens, len(tokens) - 1)
         memory = self.memory if self.invariant else None
@@ -680,11 +664,11 @@ class NgramDrafter:
             key = tuple(tokens[-n:])
             ends = self._ends.get(key)
             if ends:
-                return (tokens, ends), n
+                return tokens, ends
             found = memory.find(key) if memory is not None else None
             if found is not None:
-                return found, n
-        return (tokens, []), 0
+                return found
+        return tokens, []
 
     def drafting(
         self,

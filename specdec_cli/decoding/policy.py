@@ -51,19 +51,11 @@ class Policy:
             TextMemory(d.ngram_memory, d.ngram_min, d.ngram_max) if d.ngram_memory else None
         )
 
-    def decoder(
-        self,
-        kind: str | None,
-        k: str,
-        tree: str | None = None,
-        slot: int = 0,
-        costs: Costs | None = None,
-    ) -> Decoder:
+    def decoder(self, kind: str | None, k: str, tree: str | None = None, slot: int = 0) -> Decoder:
         """A decoder for `slot`, drafting with `kind` ("model", "ngram", "model+ngram", or
         None for target-only), draft length k (a number or "auto") and `tree` ("off",
         "auto" or a number of tokens; None: the options'). All decoders share the loaded
-        models; a slot's decoders share its part of their contexts. `costs` price -k auto
-        and --tree auto (None: the measured ones; a replay passes a modelled machine's)."""
+        models; a slot's decoders share its part of their contexts."""
         d, sampling = self.models.options.drafting, self.models.options.sampling
         tree = d.tree if tree is None else tree
         target, draft_ctx = self.models.slots[slot], self.models.draft_slots[slot]
@@ -83,16 +75,12 @@ class Policy:
         # that copied text is accepted far longer than the model's guesses.
         auto = parse_k(k) is None
         own = kind == "model+ngram" and auto
-        lengths = {"ngram": self.draft_length("ngram", k, costs)} if own else {}
-        if auto and isinstance(drafter, NgramDrafter):
-            # Alone, a lookup drafts after a shorter match by that match's own policy.
-            shorter = drafter.shorter_sources()
-            lengths |= {s: self.draft_length("ngram", k, costs) for s in shorter}
+        lengths = {"ngram": self.draft_length("ngram", k)} if own else {}
         if auto and kind != "model":
             # A verbatim repeat is accepted far longer still: it starts out trusted.
-            lengths[NgramDrafter.VERBATIM_SOURCE] = self._length("ngram", k, costs, VERBATIM_PRIOR)
-        length = self.draft_length(kind, k, costs)
-        policy = self.tree_policy(tree, kind, costs)
+            lengths[NgramDrafter.VERBATIM_SOURCE] = self._length("ngram", k, None, VERBATIM_PRIOR)
+        length = self.draft_length(kind, k)
+        policy = self.tree_policy(tree, kind)
         return Decoder(
             target, drafter, sampling, length, k, policy, tree if policy else "off", lengths
         )
