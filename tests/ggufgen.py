@@ -13,7 +13,7 @@ a weight that maps n_embd -> n_ff is stored with shape (n_ff, n_embd).
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
@@ -319,7 +319,36 @@ def read_real_vocab(path: Path) -> RealVocab:
     too slow for 262k tokens and half a million merges. This reads one length per string.
     """
     data = path.read_bytes()
-    offset, kept, types = _FIRST_RECORD, [], None
+    kept, types = [], None
+    for key, _, start, value_start, end in _records(data):
+        if key.startswith("tokenizer."):
+            kept.append(data[start:end])
+        if key == "tokenizer.ggml.token_type":  # an array: item type, length, items
+            n_tokens = _U64.unpack_from(data, value_start + 4)[0]
+            types = np.frombuffer(data, np.int32, n_tokens, value_start + 12).copy()
+    if types is None:
+        raise ValueError(f"{path} has no tokenizer.ggml.token_type")
+    return RealVocab(RawRecords(b"".join(kept), len(kept)), types)
+
+
+def set_u32(path: Path, key: str, value: int) -> None:
+    """Overwrite the uint32 value of record `key` in a GGUF file, in place (a real
+    model's end-of-sequence id, say: GGUFReader takes 20 s over 262k token strings)."""
+    for name, value_type, _, value_start, _ in _records(path.read_bytes()):
+        if name == key:
+            if value_type != GGUFValueType.UINT32:
+                raise ValueError(f"{key} is of GGUF type {value_type}, not uint32")
+            with path.open("r+b") as file:
+                file.seek(value_start)
+                file.write(_U32.pack(value))
+            return
+    raise KeyError(f"{path} has no {key}")
+
+
+def _records(data: bytes) -> Iterator[tuple[str, int, int, int, int]]:
+    """Each key/value record of a GGUF file's bytes, in order: its key, its value's
+    type, where the record starts, where its value starts, and where it ends."""
+    offset = _FIRST_RECORD
     for _ in range(_U64.unpack_from(data, _KV_COUNT_OFFSET)[0]):
         start = offset
         key_length = _U64.unpack_from(data, offset)[0]
@@ -327,14 +356,7 @@ def read_real_vocab(path: Path) -> RealVocab:
         value_type = _U32.unpack_from(data, offset + 8 + key_length)[0]
         value_start = offset + 12 + key_length
         offset = _skip_value(data, value_start, value_type)
-        if key.startswith("tokenizer."):
-            kept.append(data[start:offset])
-        if key == "tokenizer.ggml.token_type":  # an array: item type, length, items
-            n_tokens = _U64.unpack_from(data, value_start + 4)[0]
-            types = np.frombuffer(data, np.int32, n_tokens, value_start + 12).copy()
-    if types is None:
-        raise ValueError(f"{path} has no tokenizer.ggml.token_type")
-    return RealVocab(RawRecords(b"".join(kept), len(kept)), types)
+        yield key, value_type, start, value_start, offset
 
 
 def _skip_value(data: bytes, offset: int, value_type: int) -> int:

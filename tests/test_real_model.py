@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
+from ggufgen import set_u32
 from test_cli_run import specdec
 from test_server import start
 
@@ -163,23 +163,8 @@ def gemma3_full_stop(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         (full_stop,) = model.tokenize(".", add_special=False)
     finally:
         model.close()
-    set_eos(path, full_stop)
+    set_u32(path, "tokenizer.ggml.eos_token_id", full_stop)
     return path
-
-
-def set_eos(path: Path, token: int) -> None:
-    """Make `token` the file's end-of-sequence id, in place. Its key-value record is found
-    by its bytes (the key's length as a uint64, the key, the value's type: uint32, 4)
-    and the value after it overwritten: reading the header with GGUFReader takes 20 s
-    here, most of it the 262,144 token strings."""
-    key = b"tokenizer.ggml.eos_token_id"
-    record = struct.pack("<Q", len(key)) + key + struct.pack("<I", 4)
-    with path.open("r+b") as file:
-        header = file.read(32 << 20)  # the metadata comes before the tensors
-        at = header.find(record)
-        assert at >= 0 and header.find(record, at + 1) < 0
-        file.seek(at + len(record))
-        file.write(struct.pack("<I", token))
 
 
 def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:

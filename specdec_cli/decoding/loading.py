@@ -70,15 +70,21 @@ def model_params(
     return ModelParams(layers, devices, repack)
 
 
-def _draft_params(options: EngineOptions, repack: bool) -> ModelParams:
-    """The draft's -devd, or else -dev as llama.cpp does. With --rpc and no -devd, the
-    draft stays on this machine: drafting pays its latency token by token."""
-    layers = options.n_gpu_layers_draft
+def _draft_placement(options: EngineOptions) -> tuple[str | None, str, bool]:
+    """Where the draft runs: its device (None: every GPU), the flag that named it, and
+    whether only this machine's GPUs may hold it. The draft's -devd, or else -dev as
+    llama.cpp does. With --rpc and no -devd, the draft stays on this machine: drafting
+    pays its latency token by token."""
     if options.device_draft is not None:
-        return model_params(layers, options.device_draft, "-devd", repack)
+        return options.device_draft, "-devd", False
     if options.rpc:
-        return model_params(layers, None, "-devd", repack, local=True)
-    return model_params(layers, options.device, "-dev", repack)
+        return None, "-devd", True
+    return options.device, "-dev", False
+
+
+def _draft_params(options: EngineOptions, repack: bool) -> ModelParams:
+    device, flag, local = _draft_placement(options)
+    return model_params(options.n_gpu_layers_draft, device, flag, repack, local)
 
 
 def offload_warning(options: EngineOptions, can_offload: bool) -> str | None:
@@ -134,7 +140,11 @@ class LoadedModels:
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
         draft_seqs = min(LLAMA_MAX_SEQ // parallel, MAX_WIDTH * self._longest_draft() + 1)
         target_params = self._context_params(
-            n_ctx, threads, n_rs_seq=self._longest_draft(), n_seq_max=target_seqs * parallel
+            n_ctx,
+            threads,
+            self.flash_attn.used,
+            n_rs_seq=self._longest_draft(),
+            n_seq_max=target_seqs * parallel,
         )
         self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
@@ -144,16 +154,20 @@ class LoadedModels:
             # The draft must be able to hold the same sequence as the target.
             draft_n_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
             draft_threads = options.threads_draft or threads
-            draft_device = options.device if options.device_draft is None else options.device_draft
+            device, _, local = _draft_placement(options)
             # Its own choice: a small model's heads can turn it the other way.
             self.draft_flash_attn = self._choose_flash_attn(
-                draft_model, draft_n_ctx, draft_threads, options.n_gpu_layers_draft, draft_device
+                draft_model,
+                draft_n_ctx,
+                draft_threads,
+                options.n_gpu_layers_draft,
+                "local" if local else device,
             ).used
             context_params = self._context_params(
                 draft_n_ctx,
                 draft_threads,
+                self.draft_flash_attn,
                 n_seq_max=(draft_seqs if self.tree_nodes else 1) * parallel,
-                flash_attn=self.draft_flash_attn,
             )
             self.draft_ctx = self._own(Context(draft_model, context_params))
         # The slots: one generation each, all verified in one decode call (see decode.step).
@@ -178,13 +192,11 @@ class LoadedModels:
         self,
         n_ctx: int,
         threads: int,
+        flash_attn: str,
         n_rs_seq: int = 0,
         n_seq_max: int = 1,
-        flash_attn: str | None = None,
     ) -> ContextParams:
-        """`flash_attn`: the draft's (None: the target's)."""
         o = self.options
-        flash_attn = flash_attn or self.flash_attn.used
         return ContextParams(n_ctx, threads, flash_attn, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max)
 
     def _tree_nodes(self, draft_model: Model | None, n_ctx: int) -> int:
@@ -245,7 +257,8 @@ class LoadedModels:
     ) -> FlashAttnChoice:
         """-fa as given, or for "auto" whichever of on and off decodes `model` (the
         target, or the draft) faster on this machine: measured once per model and
-        settings, kept in the cache."""
+        settings, kept in the cache. `device` names where it runs ("local": this
+        machine's GPUs only)."""
         asked = self.options.flash_attn
         if asked != "auto":
             return FlashAttnChoice(asked, asked)
