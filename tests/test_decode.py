@@ -160,8 +160,9 @@ def test_greedy_q8_0(q8_pair: tuple[Path, Path], k: int | str) -> None:
     assert 0.0 < stats.acceptance_rate < 1.0
 
 
-@pytest.mark.usefixtures("moderate_costs")  # -k auto by pinned costs: a measured curve
-@pytest.mark.parametrize("k", K_VALUES)  # can leave the model's drafting unpaid (a flake)
+# -k auto by pinned costs: a measured curve can leave the model's drafting unpaid (a flake)
+@pytest.mark.usefixtures("moderate_costs")
+@pytest.mark.parametrize("k", K_VALUES)
 def test_greedy_lookup_then_model(
     target_model: Path, draft_model: Path, fixture_reference, k
 ) -> None:

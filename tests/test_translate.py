@@ -215,9 +215,10 @@ def test_translated_slots_draft_together(shuffled: Path, stories260k: Path) -> N
     assert min(drafted) > 10
 
 
-@pytest.mark.usefixtures("moderate_costs")  # -k auto by pinned costs: a measured curve
-@pytest.mark.parametrize("family", ["gemma-4", "qwen2", "llama-bpe"])  # can leave a
-@pytest.mark.parametrize("k", ["3", "auto"])  # translated draft unpaid in 32 tokens
+# -k auto by pinned costs: a measured curve can leave a translated draft unpaid in 32 tokens
+@pytest.mark.usefixtures("moderate_costs")
+@pytest.mark.parametrize("family", ["gemma-4", "qwen2", "llama-bpe"])
+@pytest.mark.parametrize("k", ["3", "auto"])
 def test_greedy_translated_to_real_tokenizers(
     real_vocab_pair: Callable[[str], tuple[Path, Path]], stories260k: Path, family: str, k: str
 ) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 from specdec_cli.decoding.costmodel import (
     FLASH_ATTN_BATCHES,
@@ -70,16 +70,28 @@ def model_params(
     return ModelParams(layers, devices, repack)
 
 
-def _draft_placement(options: EngineOptions) -> tuple[str | None, str, bool]:
-    """Where the draft runs: its device (None: every GPU), the flag that named it, and
-    whether only this machine's GPUs may hold it. The draft's -devd, or else -dev as
-    llama.cpp does. With --rpc and no -devd, the draft stays on this machine: drafting
-    pays its latency token by token."""
+class Placement(NamedTuple):
+    """Where a model runs: its device (None: every GPU), the flag that named it, and
+    whether only this machine's GPUs may hold it (no RPC worker's)."""
+
+    device: str | None
+    flag: str
+    local: bool = False
+
+    @property
+    def key(self) -> str | None:
+        """How the measurements' cache names the place."""
+        return "local" if self.local else self.device
+
+
+def _draft_placement(options: EngineOptions) -> Placement:
+    """The draft's -devd, or else -dev as llama.cpp does. With --rpc and no -devd, the
+    draft stays on this machine: drafting pays its latency token by token."""
     if options.device_draft is not None:
-        return options.device_draft, "-devd", False
+        return Placement(options.device_draft, "-devd")
     if options.rpc:
-        return None, "-devd", True
-    return options.device, "-dev", False
+        return Placement(None, "-devd", local=True)
+    return Placement(options.device, "-dev")
 
 
 def _draft_params(options: EngineOptions, repack: bool) -> ModelParams:
@@ -154,14 +166,13 @@ class LoadedModels:
             # The draft must be able to hold the same sequence as the target.
             draft_n_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
             draft_threads = options.threads_draft or threads
-            device, _, local = _draft_placement(options)
             # Its own choice: a small model's heads can turn it the other way.
             self.draft_flash_attn = self._choose_flash_attn(
                 draft_model,
                 draft_n_ctx,
                 draft_threads,
                 options.n_gpu_layers_draft,
-                "local" if local else device,
+                _draft_placement(options).key,
             ).used
             context_params = self._context_params(
                 draft_n_ctx,
@@ -257,8 +268,7 @@ class LoadedModels:
     ) -> FlashAttnChoice:
         """-fa as given, or for "auto" whichever of on and off decodes `model` (the
         target, or the draft) faster on this machine: measured once per model and
-        settings, kept in the cache. `device` names where it runs ("local": this
-        machine's GPUs only)."""
+        settings, kept in the cache. `device`: where it runs (see Placement.key)."""
         asked = self.options.flash_attn
         if asked != "auto":
             return FlashAttnChoice(asked, asked)
