@@ -138,11 +138,13 @@ def simulate(
     """The rounds of one generation of `text`, as the decode loop would run them: the
     same choices, the same calls to the drafter, the same observations (untimed). The
     text's end is taken for -n's (where the target stopped on its own, a real run would
-    not know it was coming and might draft past it)."""
+    not know it was coming and might draft past it). The first token comes with the
+    prompt's call, undrafted (see decode._joining), and the drafter reads the prompt
+    after it; that first round is charged as a pass of its own."""
+    rounds = [Round(0, 1, 1)]
+    done = 1
     drafter.begin(prompt)
     rng = np.random.default_rng(0)  # greedy drafting draws nothing; propose wants one
-    rounds: list[Round] = []
-    done = 0
     while done < len(text):
         limit = len(text) - done - 1
         k = length.choose(limit)

@@ -31,7 +31,7 @@ from scipy.stats import chi2_contingency, chisquare
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs
-from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.decode import Decoder, step
 from specdec_cli.decoding.drafters import Draft, DraftSteps, NgramDrafter
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
@@ -206,6 +206,36 @@ def test_a_lookup_beside_the_model_drafts_at_its_own_length(
     assert max(stats.draft_lengths) > 1  # only the lookup's rounds can draft more than 1
 
 
+def test_alone_the_first_token_comes_with_the_prompt(
+    target_model: Path, draft_model: Path, fixture_reference: list[int]
+) -> None:
+    """A generation alone reads the end of its prompt as its first round, undrafted, as
+    beside other slots: its first token comes in the call that reads the prompt (as
+    llama-server samples it), not a round later, after the drafter has read the prompt
+    and a draft has been verified."""
+    with open_engine(target_model, draft_model, 4) as engine:
+        generation = engine.decoder.start(
+            engine.tokenize(PROMPT), 64, np.random.default_rng(0), Stats()
+        )
+        calls = engine.target.decode_calls
+        draft_calls = engine.decoder.drafter.ctx.decode_calls
+        step([generation])
+        assert engine.target.decode_calls == calls + 1
+        assert engine.decoder.drafter.ctx.decode_calls == draft_calls
+        assert generation.round is not None and generation.round.n_drafted == 0
+        out = list(generation.round.tokens)
+        assert len(out) == 1
+        while not generation.finished:
+            step([generation])
+            out += generation.round.tokens
+        generation.close()
+        stats = generation.stats
+        assert stats.drafted > 0
+        # its time is the prompt's: the rates leave it out
+        assert stats.with_prompt == 1 and stats.timed_tokens == len(out) - 1
+    assert out == fixture_reference
+
+
 def test_the_model_drafts_where_a_preferred_lookup_declines(
     target_model: Path, draft_model: Path
 ) -> None:
@@ -223,7 +253,8 @@ def test_the_model_drafts_where_a_preferred_lookup_declines(
         out, stats = generate(engine, n_predict=200, decoder=decoder)
     assert out == target_only(target_model, n_predict=200)
     assert stats.proposed_by["ngram"] == 0 < stats.proposed_by["model"]
-    assert stats.draft_lengths[0] <= 1  # only the last round, with room for one token
+    # only the first round (read with the prompt's end) and the last (room for one token)
+    assert stats.draft_lengths[0] <= 2
 
 
 def test_auto_gives_a_lookup_beside_the_model_its_own_policy(
@@ -666,7 +697,9 @@ def test_draft_p_min_cuts_drafts_short_and_stays_lossless(
     assert out == fixture_reference
     short = sum(n for k, n in stats.draft_lengths.items() if 0 < k < 6)
     assert short > 2  # cut short by the draft's doubt, not just by the end of -n
-    assert stats.draft_lengths[0] <= 1  # never empty, but for a last round at the -n limit
+    # never empty, but for the first round (read with the prompt's end) and a last round
+    # at the -n limit
+    assert stats.draft_lengths[0] <= 2
 
 
 def test_draft_with_a_larger_vocabulary(

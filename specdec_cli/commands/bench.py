@@ -231,7 +231,7 @@ class BenchReport:
             # Over all runs: our wall clock, and llama.cpp's own clock of its decode calls
             # in those runs. The difference is our overhead.
             "tokens_per_second_all_runs": round(t.tokens_per_second, 2),
-            "llama_cpp_tokens_per_second": round(t.tokens / t.llama_seconds, 2)
+            "llama_cpp_tokens_per_second": round(t.timed_tokens / t.llama_seconds, 2)
             if t.llama_seconds
             else 0.0,
             "overhead_share": round(1.0 - t.llama_seconds / seconds, 4),

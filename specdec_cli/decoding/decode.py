@@ -191,8 +191,8 @@ def step(
     generations: Sequence[Generation], budget: int | None = None, speculate: bool = True
 ) -> int:
     """One round of every generation, in one target decode call: each drafts, stages its
-    verification batch (or a chunk of the prompt it is still reading; beside other
-    slots, a prompt's end that fits starts its first round: see _joining) into the batch
+    verification batch (or a chunk of the prompt it is still reading; a prompt's end
+    that fits starts its first round: see _joining) into the batch
     the target contexts share, and after the one call verifies its rows. Every generation's
     target must be a slot of one llama.cpp context (Context.split).
 
@@ -208,10 +208,9 @@ def step(
     players = [g for g in generations if not g.reading]
     alone = len(generations) == 1
     budget = target.batch_room if budget is None else budget
-    if not alone:
-        joining, budget = _joining(readers, budget)
-        readers = [g for g in readers if g not in joining]
-        players += joining
+    joining, budget = _joining(readers, budget)
+    readers = [g for g in readers if g not in joining]
+    players += joining
     plans = [g.plan(speculate or alone) for g in players]
     if not alone:
         read = sum(min(g.unread, target.n_batch) for g in readers)
@@ -238,10 +237,11 @@ def step(
 
 def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generation], int]:
     """The readers, in turn, whose prompts end within `budget` prompt tokens of this
-    call, and the budget they leave. Beside other slots, each reads the end of its
-    prompt as the start of its first round (undrafted), so that its first token comes in
-    the same call and not a step later (llama-server samples it right after the prompt
-    too), and the step a new request costs every slot is not paid twice. The round
+    call, and the budget they leave. Each reads the end of its prompt as the start of
+    its first round (undrafted), so that its first token comes in the same call, not
+    after a round of its own that waits for the drafter to read the prompt and verifies
+    a draft (llama-server samples it right after the prompt too). Beside other slots,
+    the step a new request costs every slot is not paid twice either. The round
     drafts nothing, so nothing is rejected: a recurrent state is never sent back into
     the prompt. A rejection-sampled generation does not join: its text depends on each
     round's draft, and its first round drafts where it runs alone or its prompt is
@@ -511,8 +511,9 @@ class Generation:
         stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
         self.tokens += new
         self.n_new += len(new)
-        if plan.prompt:  # the call read the prompt's end: its time is the prompt's, and
-            self._start_clocks()  # its tokens come with it (as llama-server counts a first token)
+        if plan.prompt:  # the call read the prompt's end: its time is the prompt's
+            stats.with_prompt = len(new)
+            self._start_clocks()
         stats.seconds = time.perf_counter() - self._t_gen
         self.round = Round(new, min(n_accepted, len(new)), draft.source)
         if not stats.stop_reason:

@@ -35,6 +35,9 @@ class Stats:
     prompt_tokens: int = 0
     prompt_reused: int = 0  # of them, already in the target's memory from the last generation
     tokens: int = 0
+    # Of them, what the call that read the prompt's end gave (its first token): its time
+    # is the prompt's, so the rates below leave it out, as llama.cpp's eval time does.
+    with_prompt: int = 0
     drafted: int = 0
     accepted: int = 0
     accepted_beside: int = 0  # of them, on a tree's branches (a chain would have missed)
@@ -107,8 +110,13 @@ class Stats:
         return self.tokens / self.target_passes if self.target_passes else 0.0
 
     @property
+    def timed_tokens(self) -> int:
+        """The tokens made in `seconds`."""
+        return self.tokens - self.with_prompt
+
+    @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.timed_tokens / self.seconds if self.seconds > 0 else 0.0
 
     @property
     def other_seconds(self) -> float:

@@ -529,7 +529,7 @@ def timings(stats: Stats) -> dict[str, object]:
         "prompt_per_second": prompt_n / stats.prompt_seconds if stats.prompt_seconds else 0.0,
         "predicted_n": stats.tokens,
         "predicted_ms": stats.seconds * 1e3,
-        "predicted_per_token_ms": stats.seconds * 1e3 / stats.tokens if stats.tokens else 0.0,
+        "predicted_per_token_ms": 1e3 / stats.tokens_per_second if stats.tokens_per_second else 0.0,
         "predicted_per_second": stats.tokens_per_second,
         "draft_n": stats.drafted,
         "draft_n_accepted": stats.accepted,
