@@ -15,6 +15,9 @@ Medians over repeats, and each setup's paired ratio to the first setup (the medi
 per-repeat ratios, this setup's figure over the first's: above 1 is faster for tok/s,
 slower for TPOT; the machine's speed drifts between repeats, less between neighbours).
 The order of the setups alternates (ABC, CBA, ...) so that drift hits each alike.
+With `--turns N`, every setup's server runs at once, and at each client count the setups
+take turns of N requests (AB, BA, ...): they are measured seconds apart, not minutes (a
+level's tok/s is then its tokens over the sum of its turns' wall times).
 
 Correctness, cheaply: greedy (or seeded) texts for a prompt must be the same at every
 client count (and repeat) within a setup, and are compared with the first setup's;
@@ -52,7 +55,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,10 +280,10 @@ def one_request(
     return record
 
 
-def run_level(
-    port: int, setup: Setup, clients: int, args: argparse.Namespace, first: int = 0
+def run_turn(
+    port: int, setup: Setup, clients: int, args: argparse.Namespace, first: int, count: int
 ) -> list[RequestRecord]:
-    """`--requests` requests, `clients` in flight at a time: each thread takes the next
+    """`count` requests, `clients` in flight at a time: each thread takes the next
     request as soon as its last one ends, as a client with a backlog would. The prompts
     are cycled from the `first`."""
     prompts = args.prompts
@@ -292,7 +295,23 @@ def run_level(
         return one_request(args.host, port, body, index, t0, args.request_timeout)
 
     with ThreadPoolExecutor(max_workers=clients) as pool:
-        return list(pool.map(send, range(args.requests)))
+        return list(pool.map(send, range(count)))
+
+
+def run_level(
+    group: list[Setup], ports: list[int], clients: int, level: int, args: argparse.Namespace
+) -> list[list[list[RequestRecord]]]:
+    """Each setup's turns at one client count: `--requests` requests each, in turns of
+    `--turns` (all of them in one turn without), the setups of the group taking turns in
+    alternating order (AB, BA, ...)."""
+    size = args.turns or args.requests
+    first = 1 + level * args.requests if args.fresh else 0  # past the warm-up's prompt
+    turns: list[list[list[RequestRecord]]] = [[] for _ in group]
+    for t, start in enumerate(range(0, args.requests, size)):
+        count = min(size, args.requests - start)
+        for i in range(len(group)) if t % 2 == 0 else reversed(range(len(group))):
+            turns[i].append(run_turn(ports[i], group[i], clients, args, first + start, count))
+    return turns
 
 
 def warm_up(port: int, setup: Setup, args: argparse.Namespace) -> None:
@@ -311,9 +330,11 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def level_figures(records: list[RequestRecord]) -> dict[str, float]:
+def level_figures(turns: list[list[RequestRecord]]) -> dict[str, float]:
+    """A level's figures over its turns: their tokens over the sum of their wall times."""
+    records = [r for turn in turns for r in turn]
     ok = [r for r in records if r.error is None]
-    wall = max(r.ended for r in records) - min(r.sent for r in records)
+    wall = sum(max(r.ended for r in turn) - min(r.sent for r in turn) for turn in turns)
     tpots = [t for r in ok if (t := r.tpot()) is not None]
     ttfts = [t for r in ok if (t := r.ttft()) is not None]
     tokens = sum(r.tokens for r in ok)
@@ -460,30 +481,40 @@ def measure(args: argparse.Namespace, setups: list[Setup], log_dir: Path) -> tup
     for repeat in range(args.repeats):
         # ABC, CBA, ABC...: a drift in the machine's speed then falls on each setup alike.
         order = setups if repeat % 2 == 0 else setups[::-1]
-        for setup in order:
-            with running(setup, args, log_dir, f"r{repeat}") as port:
-                warm_up(port, setup, args)
+        # --turns: every server at once, each level's turns alternating between them;
+        # else one server at a time, each through every level.
+        for group in [order] if args.turns else [[setup] for setup in order]:
+            with ExitStack() as stack:
+                tag = f"r{repeat}"
+                ports = [stack.enter_context(running(s, args, log_dir, tag)) for s in group]
+                for setup, port in zip(group, ports, strict=True):
+                    warm_up(port, setup, args)
                 for level, clients in enumerate(args.clients):
-                    # --fresh: each level its own prompts, past the warm-up's
-                    first = 1 + level * args.requests if args.fresh else 0
-                    records = run_level(port, setup, clients, args, first)
-                    figures = level_figures(records)
-                    results[(setup.name, clients)].append(figures)
-                    raw.append(raw_entry(repeat, setup, clients, figures, records))
-                    progress(repeat, setup, clients, figures)
+                    level_turns = run_level(group, ports, clients, level, args)
+                    for setup, turns in zip(group, level_turns, strict=True):
+                        figures = level_figures(turns)
+                        results[(setup.name, clients)].append(figures)
+                        raw.append(raw_entry(repeat, setup, clients, figures, turns))
+                        progress(repeat, setup, clients, figures)
     return results, raw
 
 
 def raw_entry(
-    repeat: int, setup: Setup, clients: int, figures: dict, records: list[RequestRecord]
+    repeat: int, setup: Setup, clients: int, figures: dict, turns: list[list[RequestRecord]]
 ) -> dict[str, Any]:
     return {
         "repeat": repeat,
         "setup": setup.name,
         "clients": clients,
         **figures,
-        "requests": [asdict(record) for record in records],
+        # each request's times are from the start of its turn
+        "turns": [[asdict(record) for record in turn] for turn in turns],
     }
+
+
+def entry_requests(entry: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """A raw entry's requests, turn after turn."""
+    return (record for turn in entry["turns"] for record in turn)
 
 
 def progress(repeat: int, setup: Setup, clients: int, figures: dict[str, float]) -> None:
@@ -559,7 +590,7 @@ def repeatable_texts(
     for entry in raw:
         if entry["setup"] not in repeatable:
             continue
-        for record in entry["requests"]:
+        for record in entry_requests(entry):
             if record["error"] is None:
                 texts[entry["setup"]].setdefault(record["prompt_index"], set()).add(record["text"])
     return texts
@@ -596,7 +627,7 @@ def print_consistency(facts: dict[str, dict[str, Any]], setups: list[Setup], raw
 def first_error(raw: list[dict], setup: Setup) -> str:
     """The first error's message: the JSON file has them all."""
     entries = [entry for entry in raw if entry["setup"] == setup.name]
-    errors = [r["error"] for entry in entries for r in entry["requests"] if r["error"]]
+    errors = [r["error"] for entry in entries for r in entry_requests(entry) if r["error"]]
     return f" (first: {errors[0][:120]})" if errors else ""
 
 
@@ -664,6 +695,13 @@ def add_load_args(parser: argparse.ArgumentParser) -> None:
         "takes the next prompts (needs 1 + levels x requests of them, with --prompts), so a "
         "server that remembers earlier texts drafts only from each request's own"
     )  # fmt: skip
+    parser.add_argument(
+        "--turns", type=int, default=0, metavar="N", help="run every setup's server at once "
+        "(each needs its memory) and let the setups take turns of N requests a level, in "
+        "alternating order: they are then measured seconds apart, not minutes, and the "
+        "machine's speed, which can swing by tens of percent from one stretch of seconds "
+        "to the next, hits them alike (0: one server at a time, each through every level)"
+    )  # fmt: skip
     parser.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="(128)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of the whole grid (3)")
     parser.add_argument(
@@ -694,6 +732,8 @@ def main() -> None:
     args, parser = parse_args()
     args.prompts = read_prompts(args.prompts)
     needed = 1 + len(args.clients) * args.requests
+    if args.turns < 0:
+        parser.error("--turns must be 0 (one server at a time) or a number of requests")
     if args.fresh and len(args.prompts) < needed:
         parser.error(
             f"--fresh needs {needed} prompts (1 + levels x requests); give more with --prompts"
