@@ -12,7 +12,6 @@ from specdec_cli.decoding.costmodel import (
     Costs,
     faster_flash_attn,
     measure_costs,
-    median_costs,
     time_decodes,
 )
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
@@ -242,9 +241,8 @@ class LoadedModels:
         return obj
 
     def costs(self) -> Costs:
-        """The draft's and the target's measured costs, for -k auto: the median of the
-        measurements kept on disk for these models and settings, after this run adds
-        one if there are fewer than costcache.MEASUREMENTS (see costcache)."""
+        """The draft's and the target's measured costs, for -k auto: measured once per
+        models and settings, and kept on disk (see costcache)."""
         if self._costs is None:
             # A batch must fit in the context after the measuring position.
             # With slots, a batch holds every slot's round.
@@ -252,21 +250,17 @@ class LoadedModels:
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
             sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
-            measured = costcache.load(key)
-            if len(measured) < costcache.MEASUREMENTS:
-                times = f"{len(measured) + 1} of {costcache.MEASUREMENTS}, one a run,"
-                self._announce("the models' costs for -k auto", "these models", times)
-                measured.append(self.measure_costs(sizes, reps=5))
-                costcache.save(key, measured)
-            self._costs = median_costs(measured)
+            self._costs = costcache.load(key)
+            if self._costs is None:
+                self._announce("the models' costs for -k auto", "these models")
+                costcache.save(key, self.measure_costs(sizes, reps=5))
         return self._costs
 
-    def _announce(self, what: str, scope: str, times: str = "once") -> None:
-        """Tell the user why this run pauses: work done `times`, kept in the cache."""
+    def _announce(self, what: str, scope: str) -> None:
+        """Tell the user why this run pauses: one-time work, kept in the cache."""
         if self.notify:
             self.notify(
-                f"measuring {what} ({times} for {scope} and settings; "
-                f"kept in {costcache.cache_dir()})"
+                f"measuring {what} (once for {scope} and settings; kept in {costcache.cache_dir()})"
             )
 
     def _choose_flash_attn(
