@@ -141,7 +141,7 @@ def simulate(
     not know it was coming and might draft past it). The first token comes with the
     prompt's call, undrafted (see decode._joining), and the drafter reads the prompt
     after it; that first round is charged as a pass of its own."""
-    rounds = [Round(0, 1, 1)]
+    rounds = [Round(calls=0, batch=1, tokens=1)]
     done = 1
     drafter.begin(prompt)
     rng = np.random.default_rng(0)  # greedy drafting draws nothing; propose wants one

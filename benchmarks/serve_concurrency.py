@@ -280,9 +280,12 @@ def one_request(
     return record
 
 
+Turn = list[RequestRecord]  # one setup's requests in one turn, timed from its start
+
+
 def run_turn(
     port: int, setup: Setup, clients: int, args: argparse.Namespace, first: int, count: int
-) -> list[RequestRecord]:
+) -> Turn:
     """`count` requests, `clients` in flight at a time: each thread takes the next
     request as soon as its last one ends, as a client with a backlog would. The prompts
     are cycled from the `first`."""
@@ -300,13 +303,13 @@ def run_turn(
 
 def run_level(
     group: list[Setup], ports: list[int], clients: int, level: int, args: argparse.Namespace
-) -> list[list[list[RequestRecord]]]:
+) -> list[list[Turn]]:
     """Each setup's turns at one client count: `--requests` requests each, in turns of
     `--turns` (all of them in one turn without), the setups of the group taking turns in
     alternating order (AB, BA, ...)."""
     size = args.turns or args.requests
     first = 1 + level * args.requests if args.fresh else 0  # past the warm-up's prompt
-    turns: list[list[list[RequestRecord]]] = [[] for _ in group]
+    turns: list[list[Turn]] = [[] for _ in group]
     for t, start in enumerate(range(0, args.requests, size)):
         count = min(size, args.requests - start)
         for i in range(len(group)) if t % 2 == 0 else reversed(range(len(group))):
@@ -330,7 +333,7 @@ def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else math.nan
 
 
-def level_figures(turns: list[list[RequestRecord]]) -> dict[str, float]:
+def level_figures(turns: list[Turn]) -> dict[str, float]:
     """A level's figures over its turns: their tokens over the sum of their wall times."""
     records = [r for turn in turns for r in turn]
     ok = [r for r in records if r.error is None]
@@ -500,14 +503,13 @@ def measure(args: argparse.Namespace, setups: list[Setup], log_dir: Path) -> tup
 
 
 def raw_entry(
-    repeat: int, setup: Setup, clients: int, figures: dict, turns: list[list[RequestRecord]]
+    repeat: int, setup: Setup, clients: int, figures: dict, turns: list[Turn]
 ) -> dict[str, Any]:
     return {
         "repeat": repeat,
         "setup": setup.name,
         "clients": clients,
         **figures,
-        # each request's times are from the start of its turn
         "turns": [[asdict(record) for record in turn] for turn in turns],
     }
 

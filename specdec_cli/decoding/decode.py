@@ -191,10 +191,10 @@ def step(
     generations: Sequence[Generation], budget: int | None = None, speculate: bool = True
 ) -> int:
     """One round of every generation, in one target decode call: each drafts, stages its
-    verification batch (or a chunk of the prompt it is still reading; a prompt's end
-    that fits starts its first round: see _joining) into the batch
-    the target contexts share, and after the one call verifies its rows. Every generation's
-    target must be a slot of one llama.cpp context (Context.split).
+    verification batch (or a chunk of the prompt it is still reading; a prompt's end that
+    fits starts its first round: see _joining) into the batch the target contexts share,
+    and after the one call verifies its rows. Every generation's target must be a slot of
+    one llama.cpp context (Context.split).
 
     With several generations, their draft lengths are fitted to the batch as a whole
     (see fit_to_batch): what a round costs is the cost of the whole batch. `budget`: the
