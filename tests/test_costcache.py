@@ -1,18 +1,19 @@
-"""Measured costs kept on disk: one measurement per models and settings."""
+"""Measured costs kept on disk: a few measurements per models and settings, one a run."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.costmodel import Costs, median_costs
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.loading import cost_sizes
-from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
-from specdec_cli.decoding.stats import FlashAttnChoice
+from specdec_cli.decoding.stats import FlashAttnChoice, Stats
 from specdec_cli.llamacpp import backend, costcache
 from specdec_cli.llamacpp.llama import Model
 
@@ -20,25 +21,33 @@ COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
 
 
 def test_saved_costs_load_unchanged(cache: Path) -> None:
-    assert costcache.load("abc") is None
-    costcache.save("abc", COSTS)
-    assert costcache.load("abc") == COSTS
+    assert costcache.load("abc") == []
+    costcache.save("abc", [COSTS])
+    assert costcache.load("abc") == [COSTS]
     assert len(list(cache.rglob("*.json"))) == 1
 
 
+def test_the_last_few_measurements_are_kept(cache: Path) -> None:
+    measured = [Costs(0.001 * i, 0.04, {1: 1.0, 2: 0.8}, 0.1) for i in range(5)]
+    costcache.save("abc", measured)
+    assert costcache.load("abc") == measured[-costcache.MEASUREMENTS :]
+
+
 def test_a_damaged_entry_is_measured_again(cache: Path) -> None:
-    costcache.save("abc", COSTS)
+    costcache.save("abc", [COSTS])
     (entry,) = cache.rglob("*.json")
-    entry.write_text('{"target_seconds": "fast"')
-    assert costcache.load("abc") is None
+    entry.write_text('{"measurements": [{"target_seconds": "fast"}]}')
+    assert costcache.load("abc") == []
+    entry.write_text('{"target_seconds": 0.004')
+    assert costcache.load("abc") == []
 
 
 def test_an_unwritable_cache_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker / "cache"))  # under a file
-    costcache.save("abc", COSTS)
-    assert costcache.load("abc") is None
+    costcache.save("abc", [COSTS])
+    assert costcache.load("abc") == []
 
 
 def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -69,10 +78,10 @@ def test_key_names_the_llama_cpp_build(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_other_entries_live_beside_the_costs(cache: Path) -> None:
-    costcache.save("abc", COSTS)
+    costcache.save("abc", [COSTS])
     costcache.save_entry("flash_attn", "abc", {"used": "off"})
     assert costcache.load_entry("flash_attn", "abc") == {"used": "off"}
-    assert costcache.load("abc") == COSTS  # same key, another kind: no clash
+    assert costcache.load("abc") == [COSTS]  # same key, another kind: no clash
     assert costcache.load_entry("probe", "abc") is None
 
 
@@ -89,12 +98,14 @@ def auto_engine(target: Path, draft: Path, threads: int) -> Engine:
     )
 
 
-def test_engines_measure_once_per_settings(
+def test_engines_measure_a_few_times_per_settings(
     cache: Path, target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with auto_engine(target_model, draft_model, threads=1) as first:
-        measured = first.costs()
-    assert sorted(measured.verify) == [1, 2, 3, 4, 5]
+    """The first runs measure once each; later ones price with the median, measuring
+    nothing."""
+    for _ in range(costcache.MEASUREMENTS):
+        with auto_engine(target_model, draft_model, threads=1) as engine:
+            assert sorted(engine.costs().verify) == [1, 2, 3, 4, 5]
 
     def must_not_measure(*args: object, **kwargs: object) -> Costs:
         raise AssertionError("measured again")
@@ -102,10 +113,53 @@ def test_engines_measure_once_per_settings(
     with monkeypatch.context() as patch:
         patch.setattr(Engine, "measure_costs", must_not_measure)
         with auto_engine(target_model, draft_model, threads=1) as again:
-            assert again.costs() == measured
+            kept = costcache.load(next(cache.glob("costs/*.json")).stem)
+            assert len(kept) == costcache.MEASUREMENTS
+            assert again.costs() == median_costs(kept)
     with auto_engine(target_model, draft_model, threads=2) as other:  # other settings
-        assert other.costs() != measured
+        assert other.costs() != again.costs()
     assert len(list(cache.glob("costs/*.json"))) == 2
+
+
+def test_a_measurement_that_is_off_is_outvoted(
+    cache: Path, target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One run's measurement prices 4 tokens far above the others': -k auto prices
+    with the median, from the third run on."""
+    right = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05, 4: 1.1, 5: 1.4}, 0.1)
+    off = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05, 4: 1.4, 5: 1.4}, 0.1)
+    takes = iter([off, right, right])
+    monkeypatch.setattr(Engine, "measure_costs", lambda self, *args, **kwargs: next(takes))
+    priced = []
+    for _ in range(costcache.MEASUREMENTS + 1):
+        with auto_engine(target_model, draft_model, threads=1) as engine:
+            priced.append(engine.costs().verify[4])
+    assert priced[0] == 1.4  # alone, it is what -k auto prices with
+    assert priced[2:] == [1.1, 1.1]  # outvoted, and nothing measured any more
+
+
+def test_a_seeded_sampled_text_stays_while_the_first_runs_measure(
+    cache: Path, target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first runs' measurements move the median that greedy rounds price with. A
+    rejection-sampled generation's draft lengths decide which random numbers its tokens
+    use, so it prices with the first measurement in every run: its seed gives one text,
+    drafted the same way, in all of them."""
+    steep = Costs(0.004, 0.04, {1: 1.0, 2: 1.9, 3: 2.9, 4: 3.9, 5: 4.9}, 0.1)
+    flat = Costs(0.004, 0.04, {1: 1.0, 2: 1.0, 3: 1.0, 4: 1.0, 5: 1.0}, 0.1)
+    takes = iter([steep, flat, flat])
+    monkeypatch.setattr(Engine, "measure_costs", lambda self, *args, **kwargs: next(takes))
+    runs, medians = [], []
+    for _ in range(costcache.MEASUREMENTS):
+        with auto_engine(target_model, draft_model, threads=1) as engine:
+            stats = Stats()
+            prompt = engine.tokenize("Once upon a time")
+            rng = np.random.default_rng(5)
+            pieces = engine.pieces(prompt, 24, rng, stats, sampling=SamplingParams(temp=1.0))
+            runs.append(([piece.token for piece in pieces], stats.draft_lengths))
+            medians.append(engine.costs().verify[5])
+    assert medians == [4.9, 2.95, 1.0]  # greedy rounds would price each run otherwise
+    assert runs[1:] == runs[:1] * 2
 
 
 def test_the_drafts_flash_attention_keys_the_costs(

@@ -159,6 +159,20 @@ def test_auto_tree_follows_the_cost_curve() -> None:
     assert shape.verify[0] == 1.0 and len(shape.verify) == 33
 
 
+def test_a_rejection_sampled_generation_prices_trees_with_the_first_measurement() -> None:
+    """The first measurement (steep: chains) for a generation whose shapes decide its
+    random numbers; the median of the runs' measurements (flat: trees) for one whose
+    text no draft changes."""
+    policy = AutoTree(flat_costs(0.003), 32, first=flat_costs(1.0))
+    policy.begin(invariant=False)
+    assert policy.shape(k=3, limit=100) is None
+    policy.begin(invariant=True)
+    shape = policy.shape(k=3, limit=100)
+    assert shape is not None and shape.nodes == 32
+    policy.begin(invariant=False)
+    assert policy.shape(k=3, limit=100) is None
+
+
 def test_auto_tree_pauses_after_trees_that_did_not_pay() -> None:
     """A tree cut back to a chain pauses trees for 8 rounds, then 16, ...; a tree that
     was kept brings the pause back to 8."""

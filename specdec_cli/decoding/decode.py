@@ -389,7 +389,7 @@ class Generation:
         for length in (decoder.length, *decoder.lengths.values()):
             length.begin(self.sampling.draft_invariant)
         if decoder.tree:
-            decoder.tree.begin()
+            decoder.tree.begin(self.sampling.draft_invariant)
         self._start_clocks()
         self._started = True
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from bisect import bisect
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
@@ -250,6 +251,17 @@ def expected_rounds(acceptance: list[float]) -> Iterator[tuple[int, tuple[float,
         yield k, (expected, survive)
 
 
+@dataclass(frozen=True)
+class Pricing:
+    """What measured costs decide for -k auto before any round (see AutoLength)."""
+
+    costs: Costs
+    ladder: list[int]  # the useful lengths
+    first_rung: int  # where drafting starts again after a stretch without
+    first_k: int  # the steady choice's start
+    first_gap: int  # rounds before a fresh schedule's first probe
+
+
 class AutoLength:
     """Draft as many tokens as maximise the expected tokens per second.
 
@@ -317,11 +329,16 @@ class AutoLength:
         decay: float = 0.93,
         prior: float = PRIOR,
         margin: float = 0.0,
+        first: Costs | None = None,
     ) -> None:
         """`margin`: how much more than no draft drafting must promise to go on, for a
         drafter whose rounds cost more than the costs price (0: drafting goes on while
-        it is the best choice, or within MIN_GAIN of it, as any k does)."""
-        self.measured = costs
+        it is the best choice, or within MIN_GAIN of it, as any k does).
+
+        `first`: what a rejection-sampled generation prices with (None: `costs`). Its
+        text follows its draft lengths, so a seed reproduces it only while its costs stay
+        the same from run to run: the first measurement kept, where `costs` (the median
+        of the measurements, see costcache) move in the first runs."""
         self.margin = margin
         # Never draft past the batch sizes whose cost is known.
         self.k_max = min(k_max, max(costs.verify) - 1)
@@ -329,24 +346,40 @@ class AutoLength:
         self.uses_confidence = uses_confidence
         self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
-        # What the measured costs alone decide, the same at every generation's start:
+        # What the measured costs alone decide, the same at every generation's start;
+        # for generations whose text no draft changes (invariant), and for the others.
+        self._pricings = {True: self._pricing(costs), False: self._pricing(first or costs)}
+        self._price(invariant=True)
+        # Where the last invariant generation left its schedule: idle rounds, and the gap.
+        self._invariant, self._invariant_probes = False, (0, self._first_gap)
+        self.begin()
+
+    def _pricing(self, costs: Costs) -> Pricing:
+        """What these measured costs decide before any round (priced by the methods
+        that price rounds, so with them as this generation's costs until _price)."""
         self.costs = RoundCosts(costs)
-        self.ladder = self._useful_lengths()
+        ladder = self._useful_lengths()
         # Where drafting starts again after a stretch without: the shortest useful length
         # (with a large vocabulary, verifying 2 tokens can cost more than 4: then it is 3).
-        self._first_rung = min([n for n in self.ladder if n > 0], default=1)
-        # The steady choice's start: the best k under the prior alone.
-        self._first_k = self._best_at(prior)
+        first_rung = min([n for n in ladder if n > 0], default=1)
         # The gap before a fresh schedule's first probe, priced as the measured costs
         # price a probe (the shortest, reading the text since the last one in one more
         # call), as the gaps after a probe are: a sampled generation starts its schedule
         # afresh, and on a GPU probes at 8, 24 and 56 rounds cost a 128-token one a tenth.
         # (Python's time per round is not known yet: `of` counts none of it.)
-        probe = self.costs.of(self._first_rung, survive=1.0)
-        self._first_gap = self._priced_gap(self._probe_extra(probe))
-        # Where the last invariant generation left its schedule: idle rounds, and the gap.
-        self._invariant, self._invariant_probes = False, (0, self._first_gap)
-        self.begin()
+        probe = self.costs.of(first_rung, survive=1.0)
+        first_gap = self._priced_gap(self._probe_extra(probe))
+        # The steady choice's start: the best k under the prior alone.
+        first_k = self._best_at(self.prior)
+        return Pricing(costs, ladder, first_rung, first_k, first_gap)
+
+    def _price(self, invariant: bool) -> None:
+        """Price this generation's rounds as the measured costs for its kind say."""
+        pricing = self._pricings[invariant]
+        self.measured, self.ladder = pricing.costs, pricing.ladder
+        self._first_rung, self._first_k = pricing.first_rung, pricing.first_k
+        self._first_gap = pricing.first_gap
+        self.costs = RoundCosts(self.measured)
 
     def begin(self, invariant: bool = False) -> None:
         """Everything learnt starts again from the measured costs and the prior: the
@@ -359,7 +392,7 @@ class AutoLength:
         if self._invariant:
             self._invariant_probes = (self._idle, self._probe_gap)
         self._invariant = invariant
-        self.costs = RoundCosts(self.measured)
+        self._price(invariant)
         self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
         self.calibration = Calibration()
         self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start

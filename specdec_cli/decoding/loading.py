@@ -12,6 +12,7 @@ from specdec_cli.decoding.costmodel import (
     Costs,
     faster_flash_attn,
     measure_costs,
+    median_costs,
     time_decodes,
 )
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
@@ -161,7 +162,8 @@ class LoadedModels:
         self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
-        self._costs: Costs | None = None
+        self._costs: Costs | None = None  # the median of the measurements kept
+        self._first_costs: Costs | None = None  # the first of them
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
             draft_n_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
@@ -241,26 +243,39 @@ class LoadedModels:
         return obj
 
     def costs(self) -> Costs:
-        """The draft's and the target's measured costs, for -k auto: measured once per
-        models and settings, and kept on disk (see costcache)."""
-        if self._costs is None:
+        """The draft's and the target's measured costs, for -k auto: the median of the
+        measurements kept on disk for these models and settings, after this run adds
+        one if there are fewer than costcache.MEASUREMENTS (see costcache)."""
+        return self._measured()[0]
+
+    def first_costs(self) -> Costs:
+        """The first of those measurements, the same in every run: what a
+        rejection-sampled generation prices with (see AutoLength)."""
+        return self._measured()[1]
+
+    def _measured(self) -> tuple[Costs, Costs]:
+        if self._costs is None or self._first_costs is None:
             # A batch must fit in the context after the measuring position.
             # With slots, a batch holds every slot's round.
             widest = max(self.options.drafting.draft_max, self.tree_nodes)
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
             sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
-            self._costs = costcache.load(key)
-            if self._costs is None:
-                self._announce("the models' costs for -k auto", "these models")
-                costcache.save(key, self.measure_costs(sizes, reps=5))
-        return self._costs
+            measured = costcache.load(key)
+            if len(measured) < costcache.MEASUREMENTS:
+                times = f"{len(measured) + 1} of {costcache.MEASUREMENTS}, one a run,"
+                self._announce("the models' costs for -k auto", "these models", times)
+                measured.append(self.measure_costs(sizes, reps=5))
+                costcache.save(key, measured)
+            self._costs, self._first_costs = median_costs(measured), measured[0]
+        return self._costs, self._first_costs
 
-    def _announce(self, what: str, scope: str) -> None:
-        """Tell the user why this run pauses: one-time work, kept in the cache."""
+    def _announce(self, what: str, scope: str, times: str = "once") -> None:
+        """Tell the user why this run pauses: work done `times`, kept in the cache."""
         if self.notify:
             self.notify(
-                f"measuring {what} (once for {scope} and settings; kept in {costcache.cache_dir()})"
+                f"measuring {what} ({times} for {scope} and settings; "
+                f"kept in {costcache.cache_dir()})"
             )
 
     def _choose_flash_attn(
@@ -354,6 +369,7 @@ class LoadedModels:
         sizes = set(sizes)
         position = max(1, min(position, self.target.n_ctx - max(sizes) - 1))
         self._costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
+        self._first_costs = self._costs
         return self._costs
 
     def close(self) -> None:

@@ -120,14 +120,16 @@ class Policy:
         n = parse_k(k)
         if n is not None:
             return FixedLength(n, d.p_min)
+        settled, first = self._costs_for(kind, costs)
         return AutoLength(
-            self._costs_for(kind, costs),
+            settled,
             d.draft_min,
             d.draft_max,
             d.p_min,
             uses_confidence=d.p_min > 0.0,
             prior=prior,
             margin=margin,
+            first=first,
         )
 
     def fits_tree(self, tree: str) -> bool:
@@ -147,15 +149,23 @@ class Policy:
                 f"--tree {tree} is wider than this engine was made for ({self.models.tree_nodes})"
             )
         if tree == "auto":
-            return AutoTree(self._costs_for(kind, costs), min(nodes, self.models.tree_nodes))
+            settled, first = self._costs_for(kind, costs)
+            return AutoTree(settled, min(nodes, self.models.tree_nodes), first)
         return FixedTree(nodes)
 
-    def _costs_for(self, kind: str, costs: Costs | None = None) -> Costs:
-        """The costs (None: the measured ones) as a drafter of this kind pays them: a
-        lookup costs next to nothing; a translated draft model takes as many draft calls
-        a target token as its tokens are shorter than the target's."""
-        if costs is None:
-            costs = self.models.costs()
+    def _costs_for(self, kind: str, costs: Costs | None = None) -> tuple[Costs, Costs]:
+        """The costs (None: the measured ones) as a drafter of this kind pays them, for
+        generations whose text no draft changes and for rejection-sampled ones (the
+        median of the measurements and the first: see AutoLength)."""
+        if costs is not None:
+            return self._paid_by(kind, costs), self._paid_by(kind, costs)
+        models = self.models
+        return self._paid_by(kind, models.costs()), self._paid_by(kind, models.first_costs())
+
+    def _paid_by(self, kind: str, costs: Costs) -> Costs:
+        """`costs` as a drafter of this kind pays them: a lookup costs next to nothing;
+        a translated draft model takes as many draft calls a target token as its tokens
+        are shorter than the target's."""
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
         if self.models.translation is not None:

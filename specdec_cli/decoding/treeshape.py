@@ -58,10 +58,11 @@ class NodeOdds:
 
 
 class TreePolicy(Protocol):
-    def begin(self) -> None:
+    def begin(self, invariant: bool = False) -> None:
         """A new generation: what the policy learnt is this generation's alone, so that
         a seed gives the same text in any generation (the shapes decide which random
-        numbers each token uses)."""
+        numbers each token uses). `invariant`: no draft changes its text (greedy,
+        coupled)."""
         ...
 
     def shape(self, k: int, limit: int, beside: int = 0) -> TreeShape | None:
@@ -87,7 +88,7 @@ class FixedTree:
         self.nodes = nodes
         self.odds = NodeOdds()
 
-    def begin(self) -> None:
+    def begin(self, invariant: bool = False) -> None:
         self.odds.begin()
 
     def shape(self, k: int, limit: int, beside: int = 0) -> TreeShape | None:
@@ -99,6 +100,10 @@ class FixedTree:
 
     def observe(self, draft: Draft, path: list[int]) -> None:
         self.odds.observe(draft, path)
+
+
+Curves = dict[int, tuple[float, ...]]  # AutoTree.verify's, by the tokens beside
+Plans = dict[tuple[int, int, int], tuple[float, int]]  # AutoTree._plan's
 
 
 class AutoTree:
@@ -129,15 +134,21 @@ class AutoTree:
     PROBE_GAP = 8
     MAX_PROBE_GAP = 64
 
-    def __init__(self, costs: Costs, max_nodes: int) -> None:
-        self.costs = costs
+    def __init__(self, costs: Costs, max_nodes: int, first: Costs | None = None) -> None:
+        """`first`: what a rejection-sampled generation prices with (None: `costs`), the
+        same in every run, as for AutoLength."""
         self.max_nodes = max_nodes
-        self._curves: dict[int, tuple[float, ...]] = {}  # see verify
-        self._plans: dict[tuple[int, int, int], tuple[float, int]] = {}  # see _plan
+        # Per kind of generation (invariant or not): its costs, and what they decide,
+        # worked out as asked: the curves (see verify) and plans (see _plan).
+        self._pricings: dict[bool, tuple[Costs, Curves, Plans]] = {
+            True: (costs, {}, {}),
+            False: (first or costs, {}, {}),
+        }
         self.odds = NodeOdds()
         self.begin()
 
-    def begin(self) -> None:
+    def begin(self, invariant: bool = False) -> None:
+        self.costs, self._curves, self._plans = self._pricings[invariant]
         self.odds.begin()
         self.rate = 1.0  # tokens per unit of cost: target-only to start
         self._gap = self.PROBE_GAP

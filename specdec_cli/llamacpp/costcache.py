@@ -1,12 +1,18 @@
-"""Measured costs kept on disk, so that -k auto measures once per models and settings.
+"""Measured costs kept on disk, so that -k auto measures a few times per models and
+settings, and never again.
 
 Measuring the target's cost per batch size takes a few hundred target token-times
 (about 340 for the benchmark pair: 1.5 s; at 150 ms a token, close to a minute). The
 costs depend on the model files, the hardware and the settings that change how
 llama.cpp runs them, so that is the key; anything else (another prompt, another -n)
-reuses the measurement. The llama.cpp build is part of the key too: costs measured
-on a CPU build never serve a CUDA rebuild. A cache that cannot be read or written is
-no error: the costs are measured again.
+reuses the measurements. One measurement can be off, and priced with alone it would
+steer -k auto for good (benchmarks/README.md, 2026-11-28: a cost curve measured once):
+so the first MEASUREMENTS runs each add one, and -k auto prices with their median. A
+rejection-sampled generation prices with the first alone: its draft lengths decide which
+random numbers its tokens use, so its seed reproduces its text only while its costs stay
+the same (see AutoLength). The llama.cpp build is part of the key too: costs measured
+on a CPU build never serve a CUDA rebuild. A cache that cannot be read or written is no
+error: the costs are measured again.
 
 Other one-time findings live beside the costs, under the same kind of key: the
 flash attention setting measured faster, and whether this CPU survives llama.cpp's
@@ -21,7 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +36,10 @@ from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.llamacpp import backend, machine
 
-FORMAT = 2  # bump when the meaning of a measurement changes
+FORMAT = 3  # bump when the meaning of a measurement changes
+# Measurements kept per key, each taken by another run (another process, another moment
+# of the machine): their median outvotes one that is off.
+MEASUREMENTS = 3
 
 
 def cache_dir() -> Path:
@@ -81,16 +90,23 @@ def save_entry(kind: str, key: str, data: dict[str, Any]) -> None:
         pass
 
 
-def load(key: str) -> Costs | None:
+def load(key: str) -> list[Costs]:
+    """The measurements kept under `key`, oldest first (none: an empty list)."""
     data = load_entry("costs", key)
     if data is None:
-        return None
+        return []
     try:
-        verify = {int(n): float(v) for n, v in data.pop("verify").items()}
-        return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
-    except (ValueError, KeyError, TypeError, AttributeError):  # an entry of an old format
-        return None
+        return [_costs(dict(measurement)) for measurement in data["measurements"]]
+    except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or an old format
+        return []
 
 
-def save(key: str, costs: Costs) -> None:
-    save_entry("costs", key, dataclasses.asdict(costs))
+def _costs(data: dict[str, Any]) -> Costs:
+    verify = {int(n): float(v) for n, v in data.pop("verify").items()}
+    return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
+
+
+def save(key: str, measured: Sequence[Costs]) -> None:
+    """Keep the last MEASUREMENTS of `measured` under `key`."""
+    kept = [dataclasses.asdict(costs) for costs in measured[-MEASUREMENTS:]]
+    save_entry("costs", key, {"measurements": kept})
