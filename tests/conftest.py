@@ -309,8 +309,9 @@ MODERATE_COSTS = Costs(1e-4, 0.05, {n: 1.0 + 0.3 * max(0, n - 4) for n in range(
 
 def pin_costs(monkeypatch: pytest.MonkeyPatch, costs: Costs) -> None:
     """Every engine of the test prices -k auto and --tree auto with `costs`, not with
-    what the machine running it measures."""
+    what the machine running it measures: every generation, greedy or sampled."""
     monkeypatch.setattr(Engine, "costs", lambda self: costs)
+    monkeypatch.setattr(Engine, "first_costs", lambda self: costs)
 
 
 @pytest.fixture
