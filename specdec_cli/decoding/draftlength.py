@@ -348,15 +348,17 @@ class AutoLength:
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
         # What the measured costs alone decide, the same at every generation's start;
         # for generations whose text no draft changes (invariant), and for the others.
-        self._pricings = {True: self._pricing(costs), False: self._pricing(first or costs)}
-        self._price(invariant=True)
+        settled = self._pricing(costs)
+        alone = settled if first in (None, costs) else self._pricing(first)
+        self._pricings = {True: settled, False: alone}
         # Where the last invariant generation left its schedule: idle rounds, and the gap.
-        self._invariant, self._invariant_probes = False, (0, self._first_gap)
+        self._invariant = False
+        self._invariant_probes = (0, self._pricings[True].first_gap)
         self.begin()
 
     def _pricing(self, costs: Costs) -> Pricing:
         """What these measured costs decide before any round (priced by the methods
-        that price rounds, so with them as this generation's costs until _price)."""
+        that price rounds, so with them as this generation's costs until `begin`)."""
         self.costs = RoundCosts(costs)
         ladder = self._useful_lengths()
         # Where drafting starts again after a stretch without: the shortest useful length
@@ -373,13 +375,10 @@ class AutoLength:
         first_k = self._best_at(self.prior)
         return Pricing(costs, ladder, first_rung, first_k, first_gap)
 
-    def _price(self, invariant: bool) -> None:
-        """Price this generation's rounds as the measured costs for its kind say."""
-        pricing = self._pricings[invariant]
-        self.measured, self.ladder = pricing.costs, pricing.ladder
-        self._first_rung, self._first_k = pricing.first_rung, pricing.first_k
-        self._first_gap = pricing.first_gap
-        self.costs = RoundCosts(self.measured)
+    @property
+    def ladder(self) -> list[int]:
+        """The useful lengths of this generation's pricing."""
+        return self.pricing.ladder
 
     def begin(self, invariant: bool = False) -> None:
         """Everything learnt starts again from the measured costs and the prior: the
@@ -392,19 +391,22 @@ class AutoLength:
         if self._invariant:
             self._invariant_probes = (self._idle, self._probe_gap)
         self._invariant = invariant
-        self._price(invariant)
+        # This generation's pricing: its kind's measured costs, and what they decide.
+        self.pricing = self._pricings[invariant]
+        self.costs = RoundCosts(self.pricing.costs)
         self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
         self.calibration = Calibration()
-        self.rate = 1.0 / self.measured.target_seconds  # tokens per second; target-only to start
+        self.rate = 1.0 / self.pricing.costs.target_seconds  # tokens/s; target-only to start
         # Rounds without a draft since the last probe, and before the next one.
-        self._idle, self._probe_gap = self._invariant_probes if invariant else (0, self._first_gap)
+        fresh = (0, self.pricing.first_gap)
+        self._idle, self._probe_gap = self._invariant_probes if invariant else fresh
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
         self._plan = 0
         self._estimates: list[float] = []
         self._survive = 1.0
-        self._k = self._first_k  # the steady choice
+        self._k = self.pricing.first_k  # the steady choice
 
     def _best_at(self, acceptance: float) -> int:
         """The best k if every draft token were accepted at this rate."""
@@ -447,7 +449,7 @@ class AutoLength:
         Where they are low (a draft that never agrees) that is the cheapest; where they
         are middling, a longer probe also tests the positions past the first, and
         yields more if the text has turned easy."""
-        longest = min(self._first_rung, top)
+        longest = min(self.pricing.first_rung, top)
         rates = self.expected_rates(estimates, longest)
         return max(range(1, longest + 1), key=rates.__getitem__)
 
@@ -477,7 +479,7 @@ class AutoLength:
             return k
         step = max(n for n in rungs if n < k) if best < k else min(n for n in rungs if n > k)
         # (Starting to draft again goes straight to the first rung, however long.)
-        return step if step <= max(k + self.MAX_CLIMB, self._first_rung) else k
+        return step if step <= max(k + self.MAX_CLIMB, self.pricing.first_rung) else k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:

@@ -107,6 +107,8 @@ def _costs(data: dict[str, Any]) -> Costs:
 
 
 def save(key: str, measured: Sequence[Costs]) -> None:
-    """Keep the last MEASUREMENTS of `measured` under `key`."""
+    """Keep the last MEASUREMENTS of `measured` under `key`. (LoadedModels adds to
+    fewer than MEASUREMENTS only, so the first, which rejection-sampled generations
+    price with, is never dropped.)"""
     kept = [dataclasses.asdict(costs) for costs in measured[-MEASUREMENTS:]]
     save_entry("costs", key, {"measurements": kept})
