@@ -455,6 +455,23 @@ def test_first_auto_run_says_it_measures_in_a_log(
     assert "measuring the models' costs" not in specdec(*args, *GREEDY).stderr
 
 
+@pytest.mark.parametrize(
+    ("prompt", "words"),
+    [
+        (["-p", "hello", "--chat"], ["no chat template", "--chat-template"]),
+        (["-p", "hello " * 100, "-c", "64"], ["the prompt is", "raise -c"]),
+    ],
+)
+def test_a_bad_prompt_is_told_before_a_first_auto_run_measures(
+    target_model: Path, draft_model: Path, cache: Path, prompt: list[str], words: list[str]
+) -> None:
+    """A first -k auto run pauses to measure costs: a prompt it cannot use is told
+    before the wait, not after it."""
+    result = specdec("run", "-m", str(target_model), "-d", str(draft_model), *prompt)
+    assert_user_error(result, *words)
+    assert "measuring the models' costs" not in result.stderr
+
+
 def test_unknown_option_suggests_only_close_ones() -> None:
     bogus = specdec("run", "--bogus")
     assert_user_error(bogus, "--bogus")

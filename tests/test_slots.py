@@ -544,6 +544,13 @@ def test_a_verbatim_repeat_drafts_in_a_step_without_speculation(target_model: Pa
     assert out == alone(target_model, Job(lookup, prompt, 8))
 
 
+def drop_second_slot(engine: Engine) -> None:
+    """One slot of a context made for two: still a split context. The decoders are made
+    before, one a slot, as the engine makes them at first use."""
+    assert len(engine.decoders) == 2
+    engine.slots.pop()
+
+
 def run_in(scheduler: Scheduler, engine: Engine, prompt: list[int]) -> tuple[list[int], Stats]:
     """One greedy generation through `scheduler.claim`: its tokens and figures."""
     slot = scheduler.claim(prompt)
@@ -565,7 +572,7 @@ def test_the_prompt_cache_brings_a_displaced_prompt_back(target_model: Path, cac
     come back from host memory (all but its last token reused); without, A is read again.
     Either way the text is A's alone."""
     with parallel_engine(target_model, None, 2) as engine:
-        engine.slots.pop()  # one slot of a context made for two: still a split context
+        drop_second_slot(engine)
         cache = PromptCache(2**30) if cached else None
         scheduler = Scheduler(engine.slots, chunk=64, cache=cache)
         a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
@@ -604,7 +611,7 @@ def test_the_prompt_cache_copies_only_while_a_copy_is_cheaper_than_a_read(
     models), it copies."""
     messages: list[str] = []
     with parallel_engine(target_model, None, 2) as engine:
-        engine.slots.pop()
+        drop_second_slot(engine)
         cache = PromptCache(2**30, messages.append)
         scheduler = Scheduler(engine.slots, chunk=64, cache=cache)
         a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
@@ -668,7 +675,7 @@ def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(
     """llama.cpp may refuse a saved state (no free cells): the request must still run,
     reading its prompt, and not take the decode loop down with it."""
     with parallel_engine(target_model, None, 2) as engine:
-        engine.slots.pop()
+        drop_second_slot(engine)
         scheduler = Scheduler(engine.slots, chunk=64, cache=PromptCache(2**30))
         a, b = engine.tokenize(LONG_PROMPT), engine.tokenize("Zebras run")
         first, _ = run_in(scheduler, engine, a)

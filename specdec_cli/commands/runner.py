@@ -86,9 +86,7 @@ def _run_one(
     output: Output,
 ) -> None:
     """One generation: the text as it comes (or held for --json), then the stats."""
-    tokens = engine.tokenize(text, chat)
-    if output.prompt:
-        show_prompt(engine, tokens)
+    tokens = prompt_tokens(engine, text, chat, output)
     stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
     display = make_display(stats, output.as_json, output.quiet, output.color)
     pieces: list[Piece] = []
@@ -137,9 +135,7 @@ def _run_many(
     """One JSON line per prompt, each with a seed of its own derived from --seed."""
     for line, text in texts.items():
         seed = line_seed(generation.seed, line)
-        tokens = engine.tokenize(text, chat)
-        if output.prompt:
-            show_prompt(engine, tokens)
+        tokens = prompt_tokens(engine, text, chat, output)
         stats, pieces = Stats(), []
 
         def finish(line=line, text=text, seed=seed, stats=stats, pieces=pieces) -> None:
@@ -154,6 +150,18 @@ def _run_many(
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
         finish()
+
+
+def prompt_tokens(
+    engine: Engine, text: str | None, chat: ChatOptions | None, output: Output
+) -> list[int]:
+    """The prompt's tokens, checked (and shown, with --verbose-prompt) before a first
+    -k auto run's measuring: bad input is told at once, not after the wait."""
+    tokens = engine.tokenize(text, chat)
+    if output.prompt:
+        show_prompt(engine, tokens)
+    engine.check_prompt(tokens)
+    return tokens
 
 
 def show_prompt(engine: Engine, tokens: list[int]) -> None:

@@ -316,6 +316,17 @@ def fit_to_batch(plans: Sequence[Plan], extra: int = 0, last_size: int = 0) -> N
         p.k = k
 
 
+def check_prompt(prompt: list[int], n_ctx: int) -> None:
+    """A prompt a slot of n_ctx cells can generate from, or one line saying why not."""
+    if not prompt:
+        raise UserError("the prompt is empty; give some text with -p, -f or stdin")
+    if len(prompt) >= n_ctx:
+        raise UserError(
+            f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; "
+            "shorten the prompt or raise -c"
+        )
+
+
 class Generation:
     """One generation's state between rounds: its tokens, its figures, and its round in
     two halves around the target's decode call (`stage_round`, then `conclude`)."""
@@ -330,13 +341,7 @@ class Generation:
         sampling: SamplingParams,
     ) -> None:
         target = decoder.target
-        if not prompt:
-            raise UserError("the prompt is empty; give some text with -p, -f or stdin")
-        if len(prompt) >= target.n_ctx:
-            raise UserError(
-                f"the prompt is {len(prompt)} tokens but the context holds {target.n_ctx}; "
-                "shorten the prompt or raise -c"
-            )
+        check_prompt(prompt, target.n_ctx)
         self.decoder, self.prompt, self.rng, self.stats = decoder, prompt, rng, stats
         self.sampling = sampling
         coupled = sampling.coupled and not sampling.greedy

@@ -4,11 +4,12 @@ generations from text to pieces of text. `run`, `bench` and `serve` go through i
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from functools import cached_property
 from typing import Any
 
 import numpy as np
 
-from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.decode import Decoder, check_prompt
 from specdec_cli.decoding.loading import LoadedModels
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.policy import Policy
@@ -33,12 +34,19 @@ class Engine(LoadedModels):
         """`notify` hears of slow one-time work (measuring costs), for the user."""
         super().__init__(options, notify)
         self.policy = Policy(self)
-        kind = drafter_kind(options.draft is not None, options.ngram)
-        self.decoders = [
-            self.make_decoder(kind, options.drafting.k, slot=slot)
-            for slot in range(options.parallel)
-        ]
-        self.decoder = self.decoders[0]  # `run`'s, the first slot's
+
+    @cached_property
+    def decoders(self) -> list[Decoder]:
+        """Each slot's decoder for the options' drafting. Made at first use, since a first
+        -k auto run measures costs here: `run` checks its prompt before that wait."""
+        o = self.options
+        kind = drafter_kind(o.draft is not None, o.ngram)
+        return [self.make_decoder(kind, o.drafting.k, slot=slot) for slot in range(o.parallel)]
+
+    @property
+    def decoder(self) -> Decoder:
+        """`run`'s: the first slot's."""
+        return self.decoders[0]
 
     def make_decoder(
         self, kind: str | None, k: str, tree: str | None = None, slot: int = 0
@@ -59,6 +67,10 @@ class Engine(LoadedModels):
         if self.translation is not None:  # a translated draft tokenizes the prompt its own way
             self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
         return tokens
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Raise UserError for a prompt no slot can generate from (see decode.check_prompt)."""
+        check_prompt(prompt, self.slots[0].n_ctx)
 
     def tokenize_messages(
         self,
