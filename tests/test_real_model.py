@@ -44,10 +44,10 @@ COPY_PROMPT = (
     "The dog sat on the log. The cat sat on the mat. The dog"
 )
 STORY_PROMPT = "Once upon a time, there was a little girl named Lily. She"
-# The command line with the module engine's settings (below): the costs it measured serve
-# the command's runs from the cache. Flash attention and -k auto's costs have tests of their
-# own, and measured again they would be most of these tests' time.
-QUICK = ("-fa", "off", "--tree", "off")
+# The command lines measure nothing: flash attention as given, and a fixed draft length
+# (the first three -k auto runs with a model each pause to measure its costs). Both have
+# tests of their own, and measured here they would be most of these tests' time.
+QUICK = ("-fa", "off", "--tree", "off", "-k", "4")
 
 
 @pytest.fixture(scope="module")
@@ -169,8 +169,7 @@ def gemma3_full_stop(gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
     """The end-of-sequence token ends generation on real text, and is not printed."""
-    # Another file, so nothing of it is in the cache: a fixed length measures nothing.
-    args = ["run", "-m", str(gemma3_full_stop), "-d", "ngram", "-k", "4", *QUICK, "--temp", "0"]
+    args = ["run", "-m", str(gemma3_full_stop), "-d", "ngram", *QUICK, "--temp", "0"]
     question = "What is the capital of France?"
     record = json.loads(specdec(*args, "-n", "64", "-p", question, "--json").stdout)
     assert record["stop_reason"] == "eos"
@@ -180,9 +179,8 @@ def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
 def test_serve_with_the_openai_client(gemma3: Path, tmp_path: Path) -> None:
     """No chat template in the file: the server falls back to ChatML and says so; the
     chat endpoint answers, as do completions, greedy equal to the engine's."""
-    # One slot, the machine's threads and the longest drafts (test_server's start asks
-    # for less), and QUICK: the module engine's costs, from the cache.
-    quick = ("-np", "1", "-t", "0", "--draft-max", str(DraftOptions().draft_max), *QUICK)
+    # One slot and the machine's threads (test_server's start asks for less).
+    quick = ("-np", "1", "-t", "0", *QUICK)
     server = start(tmp_path, "-m", str(gemma3), "-d", "ngram", "--temp", "0", *quick)
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
