@@ -162,8 +162,8 @@ class LoadedModels:
         self.target = self._own(Context(self.model, target_params))
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
-        self._costs: Costs | None = None  # the median of the measurements kept
-        self._first_costs: Costs | None = None  # the first of them
+        # What -k auto prices with: the median of the measurements kept, and the first.
+        self._prices: tuple[Costs, Costs] | None = None
         if draft_model:
             # The draft must be able to hold the same sequence as the target.
             draft_n_ctx = self.target.n_ctx * (TRANSLATED_ROOM if pairing.translated else 1)
@@ -254,7 +254,7 @@ class LoadedModels:
         return self._measured()[1]
 
     def _measured(self) -> tuple[Costs, Costs]:
-        if self._costs is None or self._first_costs is None:
+        if self._prices is None:
             # A batch must fit in the context after the measuring position.
             # With slots, a batch holds every slot's round.
             widest = max(self.options.drafting.draft_max, self.tree_nodes)
@@ -267,8 +267,8 @@ class LoadedModels:
                 self._announce("the models' costs for -k auto", "these models", times)
                 measured.append(self.measure_costs(sizes, reps=5))
                 costcache.save(key, measured)
-            self._costs, self._first_costs = median_costs(measured), measured[0]
-        return self._costs, self._first_costs
+            self._prices = median_costs(measured), measured[0]
+        return self._prices
 
     def _announce(self, what: str, scope: str, times: str = "once") -> None:
         """Tell the user why this run pauses: work done `times`, kept in the cache."""
@@ -368,9 +368,9 @@ class LoadedModels:
         """Measure (again) at `position` tokens into the context; later decoders use these."""
         sizes = set(sizes)
         position = max(1, min(position, self.target.n_ctx - max(sizes) - 1))
-        self._costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
-        self._first_costs = self._costs
-        return self._costs
+        costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
+        self._prices = costs, costs
+        return costs
 
     def close(self) -> None:
         for obj in reversed(self._owned):

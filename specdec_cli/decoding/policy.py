@@ -158,7 +158,8 @@ class Policy:
         generations whose text no draft changes and for rejection-sampled ones (the
         median of the measurements and the first: see AutoLength)."""
         if costs is not None:
-            return self._paid_by(kind, costs), self._paid_by(kind, costs)
+            paid = self._paid_by(kind, costs)
+            return paid, paid
         models = self.models
         return self._paid_by(kind, models.costs()), self._paid_by(kind, models.first_costs())
 
