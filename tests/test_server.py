@@ -377,7 +377,7 @@ BAD_FIELDS: list[tuple[str, dict]] = [
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": []}),
     ("/v1/completions", {"prompt": "x", "n": 2}),
     ("/v1/completions", {"prompt": "x", "best_of": 3}),
-    ("/v1/completions", {"prompt": "x", "logprobs": 5}),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}),
     ("/v1/completions", {"prompt": "x", "echo": True}),
     ("/v1/completions", {"prompt": "x", "suffix": "end"}),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"5": 100}}),
@@ -401,7 +401,7 @@ BAD_FIELDS: list[tuple[str, dict]] = [
     ("/v1/chat/completions", {"messages": [{"role": 1, "content": "hi"}]}),
     ("/v1/chat/completions", {"messages": ["hi"]}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 3}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": 1}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}),
     (
         "/v1/chat/completions",
@@ -437,6 +437,7 @@ WRONG_VALUES: dict[str, list[object]] = {
     "seed": ["x", 1.5, []],
     "stream": ["yes", [], {}],
     "speculative": ["x", [], {"k": -3}],
+    "logprobs": ["x", True, 1.5, 21, -1],
 }
 
 

@@ -64,7 +64,7 @@ from specdec_cli.commands.options import (
     temp_option,
 )
 from specdec_cli.commands.prompts import read_prompt, read_prompts
-from specdec_cli.commands.runner import Output, generate, loaded_engine
+from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
     EngineOptions,
@@ -258,6 +258,27 @@ def run(
             "chose it (the target, or the drafter whose guess it accepted).",
         ),
     ] = False,
+    logprobs: Annotated[
+        int | None,
+        typer.Option(
+            "--logprobs",
+            metavar="N",
+            min=0,
+            help="Add each token's log-probability and the N likeliest tokens at its place "
+            "to the --json-tokens records (implied): the target's own, whoever drafted it. "
+            "The model's distribution (log-softmax of the logits) unless "
+            "--post-sampling-probs.",
+        ),
+    ] = None,
+    post_sampling_probs: Annotated[
+        bool,
+        typer.Option(
+            "--post-sampling-probs",
+            help="With --logprobs: the distribution each token was drawn from, after "
+            "--top-k, --top-p, --min-p and --temp (greedy: all on the argmax), as "
+            "llama-server's post_sampling_probs.",
+        ),
+    ] = False,
     color: Annotated[
         bool,
         typer.Option(
@@ -299,11 +320,19 @@ def run(
         model, draft or [], config, k=k, tree=tree, **shared_options(locals())
     )
     generation = generation_options(n_predict, seed, defaults)
+    token_logprobs = logprob_options(logprobs, post_sampling_probs)
+    json_tokens = json_tokens or token_logprobs is not None
     as_json = as_json or (json_tokens and not prompts)
     for message in ignored_options(options, k, color and not as_json):
         warn(message)
     output = Output(
-        as_json, json_tokens, color, quiet, json_lines=prompts is not None, prompt=verbose_prompt
+        as_json,
+        json_tokens,
+        color,
+        quiet,
+        json_lines=prompts is not None,
+        prompt=verbose_prompt,
+        logprobs=token_logprobs,
     )
     generate(options, texts, generation, tuple(stop or ()), chat_opts, output)
 

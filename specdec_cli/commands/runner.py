@@ -16,9 +16,11 @@ import typer
 from specdec_cli.commands import interrupt
 from specdec_cli.commands.display import make_display, note, warn
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob
 from specdec_cli.decoding.pieces import Piece
 from specdec_cli.decoding.settings import EngineOptions, GenerationOptions
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
 from specdec_cli.models.chat import ChatOptions
 
@@ -33,6 +35,7 @@ class Output:
     quiet: bool = False
     json_lines: bool = False  # --prompts: one JSON line per prompt
     prompt: bool = False  # --verbose-prompt: the prompt as the model receives it, on stderr
+    logprobs: LogprobOptions | None = None  # --logprobs: in each --json-tokens record
 
 
 def generate(
@@ -95,11 +98,14 @@ def _run_one(
     def finish() -> None:
         display.finish()
         if output.as_json:
-            print(json.dumps(_record(engine, pieces, generation.seed, stats, output.json_tokens)))
+            print(json.dumps(_record(engine, pieces, generation.seed, stats, output)))
 
     try:
         with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-            for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
+            pieces_out = engine.pieces(
+                tokens, generation.n_predict, rng, stats, stop, logprobs=output.logprobs
+            )
+            for piece in pieces_out:
                 pieces.append(piece)
                 if piece.text:
                     display.text(piece.text, drafted=piece.drafted)
@@ -139,13 +145,16 @@ def _run_many(
         stats, pieces = Stats(), []
 
         def finish(line=line, text=text, seed=seed, stats=stats, pieces=pieces) -> None:
-            record = _record(engine, pieces, seed, stats, output.json_tokens)
+            record = _record(engine, pieces, seed, stats, output)
             print(json.dumps({"index": line, "prompt": text} | record), flush=True)
 
         rng = np.random.default_rng(seed)
         try:
             with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-                for piece in engine.pieces(tokens, generation.n_predict, rng, stats, stop):
+                pieces_out = engine.pieces(
+                    tokens, generation.n_predict, rng, stats, stop, logprobs=output.logprobs
+                )
+                for piece in pieces_out:
                     pieces.append(piece)  # one by one: a lost worker shows what came
         except KeyboardInterrupt:
             raise typer.Exit(interrupt.EXIT_CODE) from None
@@ -172,22 +181,47 @@ def show_prompt(engine: Engine, tokens: list[int]) -> None:
 
 
 def _record(
-    engine: Engine, pieces: list[Piece], seed: int, stats: Stats, json_tokens: bool
+    engine: Engine, pieces: list[Piece], seed: int, stats: Stats, output: Output
 ) -> dict[str, object]:
     """One generation in JSON: its text, seed and stats (and each token, with --json-tokens)."""
     record = {"text": "".join(p.text for p in pieces), "seed": seed, **stats.to_dict()}
-    if json_tokens:
+    if output.json_tokens:
         record["token_list"] = token_records(engine, pieces)
     return record
 
 
 def token_records(engine: Engine, pieces: list[Piece]) -> list[dict[str, object]]:
-    """--json-tokens: each token's id, its own text, and who chose it."""
-    return [
-        {"id": p.token, "text": engine.model.piece(p.token).decode(errors="replace"), "by": p.by}
+    """--json-tokens: each token's id, its own text, and who chose it; with --logprobs,
+    its log-probability and the likeliest tokens at its place (none for the tokens of a
+    stop string: see Piece.logprobs)."""
+    text = engine.model.piece
+    records: list[dict[str, object]] = [
+        {"id": p.token, "text": text(p.token).decode(errors="replace"), "by": p.by}
         for p in pieces
         if p.token is not None
     ]
+    # The pieces let them out in the tokens' order; only a stop string's, at the end, never.
+    logprobs = [lp for p in pieces for lp in p.logprobs]
+    for record, lp in zip(records, logprobs, strict=False):
+        record |= _logprob_record(engine, lp)
+    return records
+
+
+def _logprob_record(engine: Engine, lp: TokenLogprob) -> dict[str, object]:
+    def text(token: int) -> str:
+        return engine.model.piece(token).decode(errors="replace")
+
+    top = [{"id": t, "text": text(t), "logprob": value} for t, value in lp.top]
+    return {"logprob": lp.logprob, "top_logprobs": top}
+
+
+def logprob_options(top: int | None, post_sampling: bool) -> LogprobOptions | None:
+    """--logprobs N and --post-sampling-probs, as a generation takes them."""
+    if top is None:
+        if post_sampling:
+            raise UserError("--post-sampling-probs needs --logprobs N")
+        return None
+    return LogprobOptions(top, post_sampling)
 
 
 def line_seed(seed: int, line: int) -> int:

@@ -28,6 +28,7 @@ from specdec_cli.decoding.drafters import (
     draft_together,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.sampling import (
     Noise,
     SamplingParams,
@@ -51,6 +52,8 @@ class Round:
     tokens: list[int]
     n_drafted: int
     source: str = ""
+    # Each token's log-probability, when the generation asked for them (see logprobs.py)
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Decoder:
@@ -91,9 +94,10 @@ class Decoder:
         rng: np.random.Generator,
         stats: Stats,
         sampling: SamplingParams | None = None,
+        logprobs: LogprobOptions | None = None,
     ) -> Generation:
         """A generation from `prompt`, its first `step` to come (see generate)."""
-        return Generation(self, prompt, n_predict, rng, stats, sampling or self.sampling)
+        return Generation(self, prompt, n_predict, rng, stats, sampling or self.sampling, logprobs)
 
     def generate(
         self,
@@ -102,17 +106,19 @@ class Decoder:
         rng: np.random.Generator,
         stats: Stats,
         sampling: SamplingParams | None = None,
+        logprobs: LogprobOptions | None = None,
     ) -> Iterator[Round]:
         """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
         (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
         `sampling`: this generation's settings (None: the decoder's own), for the target
         and the drafter alike, so that one decoder serves requests that sample differently.
+        `logprobs`: what each round reports of its tokens' log-probabilities (None: nothing).
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
         Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
         This is `step` with one generation: the loop every slot of a server runs too.
         """
-        generation = self.start(prompt, n_predict, rng, stats, sampling)
+        generation = self.start(prompt, n_predict, rng, stats, sampling, logprobs)
         try:
             while not generation.finished:
                 step([generation])
@@ -339,11 +345,13 @@ class Generation:
         rng: np.random.Generator,
         stats: Stats,
         sampling: SamplingParams,
+        logprobs: LogprobOptions | None = None,
     ) -> None:
         target = decoder.target
         check_prompt(prompt, target.n_ctx)
         self.decoder, self.prompt, self.rng, self.stats = decoder, prompt, rng, stats
         self.sampling = sampling
+        self.logprobs = logprobs  # None: no work per token for them
         coupled = sampling.coupled and not sampling.greedy
         self.noise = Noise.draw(rng) if coupled else None
         self.n_predict = target.n_ctx if n_predict < 0 else n_predict  # the context fills first
@@ -479,6 +487,7 @@ class Generation:
         path, next_token = decoder.verify(
             draft, self.rng, self.sampling, chances, self.noise, position
         )
+        logprobs = None if self.logprobs is None else self._logprobs(draft, path, next_token)
         n_accepted = len(path)
         beside = draft.beside_primary(path)  # a chain would have missed these
         # Keep the accepted path, drop the rest (its last token is in batch place
@@ -520,13 +529,28 @@ class Generation:
             stats.with_prompt = len(new)
             self._start_clocks()
         stats.seconds = time.perf_counter() - self._t_gen
-        self.round = Round(new, min(n_accepted, len(new)), draft.source)
+        kept = tuple(logprobs[: len(new)]) if logprobs is not None else None
+        self.round = Round(new, min(n_accepted, len(new)), draft.source, kept)
         if not stats.stop_reason:
             if self.n_new >= self.n_predict:
                 stats.stop_reason = "length"
             elif len(self.tokens) >= target.n_ctx:
                 stats.stop_reason = "context"
         self.finished = bool(stats.stop_reason)
+
+    def _logprobs(self, draft: Draft, path: list[int], next_token: int) -> list[TokenLogprob]:
+        """The round's tokens' log-probabilities, each from the target's row it was
+        verified against: row 0 for the first, and for each next (the round's own token
+        too) the row of the accepted draft token before it. Read before keep_branch,
+        from the logits the verification pass left: no decode of its own."""
+        assert self.logprobs is not None
+        logits = self.decoder.target.logits
+        tokens = [*(draft.tokens[i] for i in path), next_token]
+        rows = [0, *(i + 1 for i in path)]
+        return [
+            token_logprob(logits(row), token, self.logprobs, self.sampling)
+            for row, token in zip(rows, tokens, strict=True)
+        ]
 
     def close(self) -> None:
         """The generation's figures, whether it ran to its end or was stopped early."""

@@ -11,6 +11,7 @@ import numpy as np
 
 from specdec_cli.decoding.decode import Decoder, check_prompt
 from specdec_cli.decoding.loading import LoadedModels
+from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.policy import Policy
 from specdec_cli.decoding.sampling import SamplingParams
@@ -96,13 +97,17 @@ class Engine(LoadedModels):
         stop: tuple[str, ...] = (),
         decoder: Decoder | None = None,
         sampling: SamplingParams | None = None,
+        logprobs: LogprobOptions | None = None,
     ) -> Iterator[Piece]:
         """Yield one Piece per generated token, saying who proposed it, and a last one
         (token None) for text held back until the end. `sampling`: this generation's
-        (None: the options')."""
+        (None: the options'); `logprobs`: what the pieces carry of the tokens'
+        log-probabilities (None: nothing)."""
         stream = PieceStream(self.model, stop)
         stats.flash_attn = self.flash_attn
-        rounds = (decoder or self.decoder).generate(prompt, n_predict, rng, stats, sampling)
+        rounds = (decoder or self.decoder).generate(
+            prompt, n_predict, rng, stats, sampling, logprobs
+        )
         try:
             for new in rounds:
                 yield from stream.round(new)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from specdec_cli.decoding.decode import Round
+from specdec_cli.decoding.logprobs import TokenLogprob
 from specdec_cli.decoding.textstream import TextStream
 from specdec_cli.llamacpp.llama import Model
 
@@ -20,6 +22,11 @@ class Piece:
     text: str
     token: int | None  # None: the end of generation, releasing what was held back
     by: str  # TARGET, or the drafter whose guess the target accepted ("model", "ngram")
+    # The log-probabilities it lets out, when asked for: of the tokens whose text begins
+    # in the text let out so far, in order (its own, and held-back tokens' with their
+    # text). A token whose text would begin at a stop string never gets its out: as in
+    # OpenAI's and llama-server's replies, the stop string's tokens have none.
+    logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def drafted(self) -> bool:
@@ -38,6 +45,7 @@ class PieceStream:
         self.model = model
         self.text = TextStream(stop)
         self.shown = shown
+        self._held: deque[tuple[int, TokenLogprob]] = deque()  # (where its text begins, it)
 
     @property
     def stopped(self) -> bool:
@@ -50,12 +58,25 @@ class PieceStream:
         for i, token in enumerate(new.tokens):
             shown = token in self.shown
             piece = self.model.token_text(token).encode() if shown else self.model.piece(token)
+            if new.logprobs is not None:
+                self._held.append((self.text.received, new.logprobs[i]))
             text = self.text.push(piece)
-            pieces.append(Piece(text, token, new.source if i < new.n_drafted else TARGET))
+            by = new.source if i < new.n_drafted else TARGET
+            pieces.append(Piece(text, token, by, self._let_out()))
             if self.text.stopped:
                 break
         return pieces
 
     def finish(self) -> Piece:
         """The last piece: the text held back until the end (token None)."""
-        return Piece(self.text.flush(), None, TARGET)
+        return Piece(self.text.flush(), None, TARGET, self._let_out())
+
+    def _let_out(self) -> tuple[TokenLogprob, ...]:
+        """The held log-probabilities of tokens whose text begins in the text let out,
+        or at its end with nothing held after it (a token of no text of its own)."""
+        out, end = [], self.text.length
+        while self._held and (
+            self._held[0][0] < end or self._held[0][0] == end == self.text.received
+        ):
+            out.append(self._held.popleft()[1])
+        return tuple(out)

@@ -27,6 +27,7 @@ class TextStream:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self._pending = ""  # decoded, not yet released: might begin a stop string
         self._released: list[str] = []
+        self._n_released = 0  # characters, kept as a count: asked for every token
         self.stopped = False
 
     def push(self, data: bytes) -> str:
@@ -60,7 +61,19 @@ class TextStream:
     def _release(self, n: int) -> str:
         out, self._pending = self._pending[:n], self._pending[n:]
         self._released.append(out)
+        self._n_released += len(out)
         return out
+
+    @property
+    def received(self) -> int:
+        """Characters pushed so far, released or held (a character still incomplete
+        not counted): where the next push's text begins."""
+        return self._n_released + len(self._pending)
+
+    @property
+    def length(self) -> int:
+        """Characters released so far: after a stop string, the whole text's length."""
+        return self._n_released
 
     @property
     def text(self) -> str:

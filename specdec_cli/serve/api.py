@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
 from specdec_cli.models.chat import ChatFormat, Message, messages_from
@@ -104,6 +105,7 @@ class GenerationRequest:
     stream: bool = False
     include_usage: bool = False
     speculation: Speculation = field(default_factory=Speculation)
+    logprobs: LogprobOptions | None = None  # None: none asked for
     # Chat: the functions the model may call, and how ("auto", "none", "required", or
     # "function": the one named); the parser keeps one call where parallel is False.
     tools: tuple[dict[str, Any], ...] = ()
@@ -160,6 +162,7 @@ def parse_request(
         stream=stream,
         include_usage=include_usage,
         speculation=_speculation(body),
+        logprobs=_logprobs(body, chat),
     )
     if chat:
         tools = _tools(body)
@@ -191,8 +194,6 @@ def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
             raise ApiError(f"{name} is not supported by specdec serve{hint}", param=name)
     if not chat and body.get("tools"):
         raise ApiError("tools need /v1/chat/completions", param="tools")
-    if body.get("logprobs") or body.get("top_logprobs"):
-        raise ApiError("logprobs are not supported by specdec serve", param="logprobs")
     if body.get("echo"):
         raise ApiError("echo is not supported by specdec serve", param="echo")
     if not chat and body.get("suffix"):
@@ -233,6 +234,32 @@ def _sampling(body: dict[str, object], defaults: SamplingParams) -> SamplingPara
         raise ApiError(f"top_k must be 0 (off) or more (got {top_k})", param="top_k")
     given = {"temp": temp, "top_p": top_p, "min_p": min_p, "top_k": top_k}
     return replace(defaults, **{k: v for k, v in given.items() if v is not None})
+
+
+def _logprobs(body: dict[str, object], chat: bool) -> LogprobOptions | None:
+    """Chat: `logprobs: true` and `top_logprobs` 0..20 (OpenAI's); completions:
+    `logprobs: N` (OpenAI allows 0..5, llama-server more: up to 20 here). Both take
+    llama-server's `post_sampling_probs`."""
+    post_sampling = _optional(body, "post_sampling_probs", bool) is True
+    if chat:
+        asked = _optional(body, "logprobs", bool) is True
+        top = _optional(body, "top_logprobs", int)
+        if top is not None and not asked:
+            raise ApiError("top_logprobs needs logprobs: true", param="top_logprobs")
+        name, top = "top_logprobs", top or 0
+    else:
+        if body.get("top_logprobs") is not None:
+            raise ApiError(
+                "top_logprobs is a chat field; /v1/completions takes logprobs: N",
+                param="top_logprobs",
+            )
+        given = _optional(body, "logprobs", int)
+        asked, name, top = given is not None, "logprobs", given or 0
+    if not asked:
+        return None
+    if not 0 <= top <= MAX_TOP:
+        raise ApiError(f"{name} must be from 0 to {MAX_TOP} (got {top})", param=name)
+    return LogprobOptions(top, post_sampling)
 
 
 def _seed(body: dict[str, object]) -> int | None:

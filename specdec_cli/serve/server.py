@@ -49,6 +49,7 @@ from specdec_cli.commands import interrupt
 from specdec_cli.commands.display import note, warn
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.logprobs import TokenLogprob
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.promptcache import PromptCache
 from specdec_cli.decoding.scheduler import Counters, Scheduler, Task
@@ -65,6 +66,7 @@ from specdec_cli.serve.api import (
     parse_body,
     parse_request,
 )
+from specdec_cli.serve.logprobs import LogprobWriter
 from specdec_cli.serve.reasoning import END, START, ThinkingSplitter, opens_thinking
 from specdec_cli.serve.reply import Part, ReplyParser
 from specdec_cli.serve.toolcalls import MARKER_TEXTS, ToolCallParser, format_for
@@ -274,10 +276,12 @@ class Service:
         request, stats = job.request, Stats(flash_attn=self.engine.flash_attn)
         decoder = self._decoder(request.speculation, slot)
         rng = np.random.default_rng(job.seed)
-        generation = decoder.start(job.prompt, request.max_tokens, rng, stats, request.sampling)
+        generation = decoder.start(
+            job.prompt, request.max_tokens, rng, stats, request.sampling, request.logprobs
+        )
 
         def emit(piece: Piece) -> None:
-            if piece.text:
+            if piece.text or piece.logprobs:
                 job.emit(Chunk(piece, stats.drafted, stats.accepted, stats.tokens))
 
         return Task(
@@ -759,10 +763,19 @@ class Api:
             if isinstance(batch[-1], Finished | Failed):
                 return
 
+    def _logprob_writer(self, job: Job, endpoint: Endpoint) -> LogprobWriter | None:
+        options, engine = job.request.logprobs, self.service.engine
+        if options is None or engine is None:
+            return None
+        return LogprobWriter(engine.model, endpoint.chat, options, job.shown)
+
     async def _complete(self, job: Job, endpoint: Endpoint) -> Response:
         parts: list[str] = []
+        logprobs: list[TokenLogprob] = []
+        writer = self._logprob_writer(job, endpoint)
         async for batch in self._events(job):
             parts += [e.piece.text for e in batch if isinstance(e, Chunk)]
+            logprobs += [lp for e in batch if isinstance(e, Chunk) for lp in e.piece.logprobs]
         end = batch[-1]
         if isinstance(end, Failed):
             return error_response(_as_api_error(end.error))
@@ -770,13 +783,16 @@ class Api:
         if job.reply is not None:
             reply = job.reply.feed(reply.content) + job.reply.finish()
         finish = "tool_calls" if reply.calls else finish_reason(end.stats)
+        choice = endpoint.choice(reply, finish)
+        if writer is not None:
+            choice["logprobs"] = writer.write(logprobs)
         return JSONResponse(
             {
                 "id": endpoint.new_id(),
                 "object": endpoint.object,
                 "created": int(time.time()),
                 "model": self.service.model_name,
-                "choices": [endpoint.choice(reply, finish)],
+                "choices": [choice],
                 "usage": usage(end.stats),
                 "timings": timings(end.stats),
             }
@@ -786,7 +802,11 @@ class Api:
         self, job: Job, endpoint: Endpoint, watcher: asyncio.Task[None]
     ) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per run of text from one source (accepted draft
-        tokens, or the target's own), with the figures so far in the "specdec" field."""
+        tokens, or the target's own), with the figures so far in the "specdec" field.
+        Log-probabilities, when asked for, go with the chunk that carries their tokens'
+        text: those of text the reply still holds back (a tag, a tool call) wait for it."""
+        writer = self._logprob_writer(job, endpoint)
+        held_logprobs: list[TokenLogprob] = []
         head = {
             "id": endpoint.new_id(),
             "object": endpoint.chunk_object,
@@ -804,11 +824,15 @@ class Api:
                         "draft_n_accepted": chunk.accepted,
                         "predicted_n": chunk.tokens,
                     }
+                    held_logprobs += chunk.piece.logprobs
                     part = Part(chunk.piece.text)
                     if job.reply is not None:
                         part = job.reply.feed(part.content)
                     if part:
                         choice = endpoint.delta(part)
+                        if writer is not None:
+                            choice["logprobs"] = writer.write(held_logprobs)
+                            held_logprobs = []
                         yield sse({**head, "choices": [choice], "specdec": figures})
             end = batch[-1]
             if isinstance(end, Failed):
@@ -816,9 +840,15 @@ class Api:
             else:
                 held = job.reply.finish() if job.reply is not None else Part()
                 if held:
-                    yield sse({**head, "choices": [endpoint.delta(held)]})
+                    choice = endpoint.delta(held)
+                    if writer is not None:
+                        choice["logprobs"] = writer.write(held_logprobs)
+                        held_logprobs = []
+                    yield sse({**head, "choices": [choice]})
                 finish = "tool_calls" if held.calls else finish_reason(end.stats)
                 last = endpoint.delta(Part(), finish=finish)
+                if writer is not None:  # tokens of no text to send (a control token's)
+                    last["logprobs"] = writer.write(held_logprobs)
                 yield sse({**head, "choices": [last], "timings": timings(end.stats)})
                 if job.request.include_usage:
                     yield sse({**head, "choices": [], "usage": usage(end.stats)})
@@ -836,9 +866,9 @@ def merge_runs(batch: list[Event]) -> Iterator[Chunk]:
             continue
         if run is not None and run.piece.drafted == event.piece.drafted:
             text = run.piece.text + event.piece.text
-            run = Chunk(
-                replace(event.piece, text=text), event.drafted, event.accepted, event.tokens
-            )
+            logprobs = run.piece.logprobs + event.piece.logprobs
+            piece = replace(event.piece, text=text, logprobs=logprobs)
+            run = Chunk(piece, event.drafted, event.accepted, event.tokens)
             continue
         if run is not None:
             yield run
