@@ -117,9 +117,11 @@ def test_run_chat_answers_in_its_format(smollm2: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory, smollm2: Path) -> Iterator[ServerProcess]:
-    """One slot (so the conversation's turns meet their cache), greedy, n-gram lookup,
-    and the machine's threads (test_server's start asks for one)."""
-    args = ["-m", str(smollm2), "-d", "ngram", "--temp", "0", "-np", "1", "-t", "0", *QUICK]
+    """One slot (so the conversation's turns meet their cache), greedy, the machine's
+    threads (test_server's start asks for one), and no drafter: a server with one measures
+    the costs -k auto may need before it is ready (seconds; what a request's "k" could ask
+    for), and what is tested here is the chat format, not speculation (run's test drafts)."""
+    args = ["-m", str(smollm2), "--temp", "0", "-np", "1", "-t", "0", "-fa", "off"]
     proc = start(tmp_path_factory.mktemp("serve-smollm2"), *args)
     yield proc
     assert proc.stop() == 0, proc.output()
