@@ -73,8 +73,9 @@ def llama_speed(args: argparse.Namespace, prompt: str, spec: str, k: int, fa: st
     ]  # fmt: skip
     pattern = LLAMA_DECODE_SPEED
     if args.draft:
-        command += ["-md", args.draft, "-td", str(args.threads), "--spec-type", spec]
-        command += ["--spec-draft-n-max", str(k)]
+        if args.draft != "mtp":  # mtp: the target's own head, no file
+            command += ["-md", args.draft, "-td", str(args.threads)]
+        command += ["--spec-type", spec, "--spec-draft-n-max", str(k)]
         pattern = LLAMA_SPEED
     else:
         command.append("-no-cnv")
@@ -99,7 +100,10 @@ def main() -> None:
         "--llama", required=True, help="llama-speculative-simple (llama-completion without -d)"
     )
     parser.add_argument("-m", "--model", required=True, help="target GGUF")
-    parser.add_argument("-d", "--draft", help="draft GGUF (none: the target alone, both sides)")
+    parser.add_argument(
+        "-d", "--draft", help="draft GGUF, or mtp: the target's own head (none: the target "
+        "alone, both sides)"
+    )  # fmt: skip
     parser.add_argument(
         "-p", "--prompt", action="append", dest="prompts", help="a prompt (repeatable; "
         "default: specdec bench's five)"
@@ -111,7 +115,8 @@ def main() -> None:
     parser.add_argument("--fa", default="on,off", help="llama.cpp -fa settings to try")
     parser.add_argument(
         "--spec-type", action="append", dest="spec_types", help="llama.cpp --spec-type "
-        "value to try (repeatable; default: draft-simple). Lookup with the draft model: "
+        "value to try (repeatable; default: draft-simple, or draft-mtp with -d mtp). Lookup "
+        "with the draft model: "
         "ngram-simple,draft-simple (its n-gram flags go in --llama-flags)"
     )  # fmt: skip
     parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")
@@ -124,7 +129,7 @@ def main() -> None:
 
     llama_variants = [
         (spec, int(k), fa)
-        for spec in args.spec_types or ["draft-simple"]
+        for spec in args.spec_types or ["draft-mtp" if args.draft == "mtp" else "draft-simple"]
         for k in (args.k.split(",") if args.draft else ["0"])
         for fa in args.fa.split(",")
     ]

@@ -684,3 +684,226 @@ def scripted_model(
         "tokenizer.chat_template": GGUFValue(template, GGUFValueType.STRING)
     }
     return write_gguf(path, metadata, tensors)
+
+
+@dataclass(frozen=True)
+class Qwen35Params:
+    """Qwen3.5 hyper-parameters: gated-delta-net (recurrent) layers with a full-attention
+    layer every `full_attention_interval`-th, then `n_nextn` MTP ("nextn") blocks, each a
+    full-attention block that reads a token and the trunk's hidden state."""
+
+    n_embd: int = 64
+    n_layer: int = 2  # the trunk; the nextn blocks come after it
+    n_nextn: int = 1
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 16
+    n_ff: int = 128
+    head_ff: int = 128  # the nextn blocks' feed-forward width
+    full_attention_interval: int = 2  # layer 1 attends, layer 0 is recurrent
+    d_state: int = 16  # each delta-net head's key and value size
+    n_group: int = 2  # key heads
+    dt_rank: int = 4  # value heads
+    d_conv: int = 4
+    n_ctx_train: int = 1024
+
+
+def qwen35_attention(
+    rng: np.random.Generator, prefix: str, qp: Qwen35Params, out_scale: float
+) -> dict[str, np.ndarray]:
+    """A Qwen3.5 full-attention layer: q carries a gate beside each head's query."""
+    q_size, kv_size = qp.n_head * qp.head_dim, qp.n_head_kv * qp.head_dim
+    return {
+        prefix + "attn_q.weight": random_matrix(rng, 2 * q_size, qp.n_embd),
+        prefix + "attn_k.weight": random_matrix(rng, kv_size, qp.n_embd),
+        prefix + "attn_v.weight": random_matrix(rng, kv_size, qp.n_embd),
+        prefix + "attn_output.weight": random_matrix(rng, qp.n_embd, q_size, out_scale),
+        prefix + "attn_q_norm.weight": np.ones(qp.head_dim, dtype=np.float32),
+        prefix + "attn_k_norm.weight": np.ones(qp.head_dim, dtype=np.float32),
+    }
+
+
+def qwen35_delta_net(
+    rng: np.random.Generator, prefix: str, qp: Qwen35Params, out_scale: float
+) -> dict[str, np.ndarray]:
+    """A gated-delta-net layer (the recurrent kind)."""
+    key_dim, value_dim = qp.d_state * qp.n_group, qp.d_state * qp.dt_rank
+    conv_dim = 2 * key_dim + value_dim
+    return {
+        prefix + "attn_qkv.weight": random_matrix(rng, conv_dim, qp.n_embd),
+        prefix + "attn_gate.weight": random_matrix(rng, value_dim, qp.n_embd),
+        prefix + "ssm_conv1d.weight": random_matrix(rng, conv_dim, qp.d_conv),
+        prefix + "ssm_dt.bias": np.zeros(qp.dt_rank, dtype=np.float32),
+        prefix + "ssm_a": -np.ones(qp.dt_rank, dtype=np.float32),  # a decaying state
+        prefix + "ssm_beta.weight": random_matrix(rng, qp.dt_rank, qp.n_embd),
+        prefix + "ssm_alpha.weight": random_matrix(rng, qp.dt_rank, qp.n_embd),
+        prefix + "ssm_norm.weight": np.ones(qp.d_state, dtype=np.float32),
+        prefix + "ssm_out.weight": random_matrix(rng, qp.n_embd, value_dim, out_scale),
+    }
+
+
+def qwen35_block(
+    rng: np.random.Generator, layer: int, qp: Qwen35Params, out_scale: float = 1.0
+) -> dict[str, np.ndarray]:
+    """One trunk layer, or past the trunk a nextn block (attention, plus the projection of
+    its [token embedding, hidden state] input and their norms)."""
+    prefix = f"blk.{layer}."
+    nextn = layer >= qp.n_layer
+    recurrent = not nextn and (layer + 1) % qp.full_attention_interval != 0
+    mixer = (qwen35_delta_net if recurrent else qwen35_attention)(rng, prefix, qp, out_scale)
+    gate, up, down = ffn_weights(rng, qp.n_embd, qp.head_ff if nextn else qp.n_ff, out_scale)
+    tensors = mixer | {
+        prefix + "attn_norm.weight": np.ones(qp.n_embd, dtype=np.float32),
+        prefix + "post_attention_norm.weight": np.ones(qp.n_embd, dtype=np.float32),
+        prefix + "ffn_gate.weight": gate,
+        prefix + "ffn_up.weight": up,
+        prefix + "ffn_down.weight": down,
+    }
+    if nextn:
+        tensors |= {
+            prefix + "nextn.eh_proj.weight": random_matrix(rng, qp.n_embd, 2 * qp.n_embd),
+            prefix + "nextn.enorm.weight": np.ones(qp.n_embd, dtype=np.float32),
+            prefix + "nextn.hnorm.weight": np.ones(qp.n_embd, dtype=np.float32),
+        }
+    return tensors
+
+
+def qwen35_keys(qp: Qwen35Params, n_layer: int) -> dict[str, GGUFValue]:
+    """`n_layer`: the trunk's layers (fewer than qp's cuts the model, as for a draft)."""
+    n_nextn = qp.n_nextn if n_layer == qp.n_layer else 0
+    half_rot = qp.head_dim // 2
+    return {
+        "context_length": _u32(qp.n_ctx_train),
+        "embedding_length": _u32(qp.n_embd),
+        "block_count": _u32(n_layer + n_nextn),
+        "nextn_predict_layers": _u32(n_nextn),
+        "feed_forward_length": GGUFValue(
+            [qp.n_ff] * n_layer + [qp.head_ff] * n_nextn, GGUFValueType.ARRAY, GGUFValueType.INT32
+        ),
+        "attention.head_count": _u32(qp.n_head),
+        "attention.head_count_kv": _u32(qp.n_head_kv),
+        "attention.key_length": _u32(qp.head_dim),
+        "attention.value_length": _u32(qp.head_dim),
+        "attention.layer_norm_rms_epsilon": GGUFValue(1e-6, GGUFValueType.FLOAT32),
+        "rope.freq_base": GGUFValue(10000.0, GGUFValueType.FLOAT32),
+        "rope.dimension_count": _u32(qp.head_dim),
+        "rope.dimension_sections": GGUFValue(
+            [half_rot, 0, 0, 0], GGUFValueType.ARRAY, GGUFValueType.INT32
+        ),
+        "full_attention_interval": _u32(qp.full_attention_interval),
+        "ssm.conv_kernel": _u32(qp.d_conv),
+        "ssm.inner_size": _u32(qp.d_state * qp.dt_rank),
+        "ssm.state_size": _u32(qp.d_state),
+        "ssm.time_step_rank": _u32(qp.dt_rank),
+        "ssm.group_count": _u32(qp.n_group),
+    }
+
+
+QWEN35 = Family("qwen35", qwen35_block, qwen35_keys)
+
+
+def write_qwen35_model(
+    path: Path,
+    vocab: Vocab,
+    qp: Qwen35Params,
+    seed: int,
+    weak_scale: float = 1.0,
+    h_scale: float = 0.3,
+) -> Path:
+    """A random F32 Qwen3.5 model with qp.n_nextn MTP blocks. With a small `weak_scale`
+    every block adds little to what it reads, so the trunk is nearly a table of the next
+    token given the current one, and so is an MTP block whose input projection passes
+    the token's embedding on: it then drafts what the target says, most of the time.
+    The projection also mixes in `h_scale` of the hidden state, so a wrong or missing
+    hidden state drafts differently."""
+    rng = np.random.default_rng(seed)
+    tensors = _embeddings(rng, vocab, qp.n_embd, QWEN35.output_norm)
+    for layer in range(qp.n_layer + qp.n_nextn):
+        tensors |= qwen35_block(rng, layer, qp, weak_scale)
+    for layer in range(qp.n_layer, qp.n_layer + qp.n_nextn):
+        mix = random_matrix(rng, qp.n_embd, qp.n_embd, h_scale)
+        eye = np.eye(qp.n_embd, dtype=np.float32)
+        tensors[f"blk.{layer}.nextn.eh_proj.weight"] = np.concatenate([eye, mix], axis=1)
+    metadata = with_architecture(
+        llama_metadata(HParams(), vocab), QWEN35.arch, qwen35_keys(qp, qp.n_layer)
+    )
+    return write_gguf(path, metadata, tensors)
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    """The tables of a model whose greedy text and MTP drafts are known in advance (see
+    write_mtp_known_answer): the target's successor of each token, and the tokens whose
+    successor's successor the head knows."""
+
+    succ: np.ndarray  # the target's next token after each token
+    good: np.ndarray  # bool per token: the head predicts succ(succ(t)) reading t's state
+    n_embd: int
+    token_embd: np.ndarray
+    eh_proj: np.ndarray
+    head: np.ndarray
+
+
+def write_mtp_known_answer(
+    path: Path,
+    vocab: Vocab,
+    seed: int,
+    good_fraction: float = 0.75,
+    n_layer: int = 2,
+    n_ff: int = 128,
+) -> KnownAnswer:
+    """A Qwen3.5 model with one MTP block, every block adding nothing (their output
+    matrices zero), so that its answers follow from tables:
+
+    - the trunk: one-hot embeddings (token t in dimension t), so its hidden state after a
+      token is that token (scaled by the final norm), and an output layer that maps t to
+      succ(t), a cycle through the text pieces: greedy, it writes the cycle;
+    - the head reads [its token x_p, the hidden state h of x_{p-1}]. Its input projection
+      puts x_p in the upper half of its state, and in the lower half the token h stands
+      for (the trunk's: x_{p-1}, in the lower half of h; the head's own: the upper half,
+      at three times the weight, so the latest token dominates). Its output reads the
+      lower half: a good token a votes for succ(succ(a)), the right answer, a bad one for
+      succ(succ(succ(a))); the upper half votes at half weight for succ(succ(x_p)), a
+      decoy. Without the right hidden state the decoy wins: nothing is accepted.
+
+    `n_layer` and `n_ff` make the trunk as costly as a real model's (its blocks add nothing,
+    but are computed all the same), for benchmarks; the head keeps a narrow one.
+    """
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocab)
+    half = -(-n_vocab // 64) * 64
+    n_embd = 2 * half
+    qp = Qwen35Params(n_embd=n_embd, n_layer=n_layer, n_ff=n_ff)
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
+    cycle = rng.permutation(normal)
+    succ = np.full(n_vocab, cycle[0])
+    succ[cycle] = np.roll(cycle, -1)
+    good = rng.random(n_vocab) < good_fraction
+    ids = np.arange(n_vocab)
+    token_embd = np.eye(n_vocab, n_embd, dtype=np.float32)
+    output = np.zeros((n_vocab, n_embd), np.float32)
+    output[succ, ids] = 1.0
+    eh_proj = np.zeros((n_embd, 2 * n_embd), np.float32)
+    eh_proj[half + ids, ids] = 1.0  # the token -> upper half
+    eh_proj[ids, n_embd + ids] = 1.0  # the trunk's state (lower half) -> lower half
+    eh_proj[ids, n_embd + half + ids] = 3.0  # the head's own (upper half) -> lower half
+    head = np.zeros((n_vocab, n_embd), np.float32)
+    answer = np.where(good, succ[succ], succ[succ[succ]])
+    head[answer, ids] += 1.0
+    head[succ[succ], half + ids] += 0.5
+    tensors = {
+        "token_embd.weight": token_embd,
+        QWEN35.output_norm: np.ones(n_embd, dtype=np.float32),
+        "output.weight": output,
+    }
+    for layer in range(qp.n_layer + qp.n_nextn):
+        tensors |= qwen35_block(rng, layer, qp, out_scale=0.0)
+    nextn = f"blk.{qp.n_layer}.nextn."
+    tensors[nextn + "eh_proj.weight"] = eh_proj
+    tensors[nextn + "shared_head_head.weight"] = head
+    tensors[nextn + "shared_head_norm.weight"] = np.ones(n_embd, dtype=np.float32)
+    metadata = with_architecture(
+        llama_metadata(HParams(), vocab), QWEN35.arch, qwen35_keys(qp, qp.n_layer)
+    )
+    write_gguf(path, metadata, tensors)
+    return KnownAnswer(succ, good, n_embd, token_embd, eh_proj, head)

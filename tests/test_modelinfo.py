@@ -70,6 +70,13 @@ def test_describe(target_model: Path) -> None:
         "file_size": target_model.stat().st_size,
         "chat_template": False,
         "split_count": 1,
+        "drafting_head": {
+            "method": None,
+            "heads": 0,
+            "reads_layer": None,
+            "blocks": [],
+            "problem": None,
+        },
     }
     # Embedding and output (495 x 64 each), output norm, 4 layers of attention and FFN.
     per_layer = 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 64 + 3 * 128 * 64

@@ -76,6 +76,7 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
 from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
+from specdec_cli.models.resolve import HEAD
 from specdec_cli.serve.api import ServeOptions
 
 app = typer.Typer(
@@ -490,16 +491,18 @@ def check_writable(path: Path, flag: str) -> None:
 
 
 def _drafter_kinds(drafts: list[str], ngram: bool | None) -> list[str]:
-    """What -d names: each of a model and 'ngram' alone, and both together (lookup
-    first); a model alone drafts as `run` would (with lookup first, unless --no-ngram)."""
+    """What -d names: each of a model (or the target's head, 'mtp') and 'ngram' alone, and
+    both together (lookup first); a model alone drafts as `run` would (with lookup first,
+    unless --no-ngram)."""
     if not drafts:
-        raise UserError("nothing to compare: pass a draft model and/or 'ngram' with -d")
+        raise UserError("nothing to compare: pass a draft model, 'mtp' and/or 'ngram' with -d")
     model_draft, lookup = split_drafts(drafts)
-    if model_draft and not lookup:
-        return [model_drafter_kind(ngram)]
-    kinds = [kind for kind, asked in (("model", model_draft), ("ngram", lookup)) if asked]
+    model = HEAD if any(d.lower() == HEAD for d in drafts) else "model" if model_draft else None
+    if model and not lookup:
+        return [model_drafter_kind(ngram, model)]
+    kinds = [kind for kind in (model, "ngram" if lookup else None) if kind]
     if len(kinds) == 2:
-        kinds.append("model+ngram")
+        kinds.append(f"{model}+ngram")
     return kinds
 
 
@@ -794,7 +797,11 @@ def check(
     draft: Annotated[
         str,
         typer.Option(
-            "-d", "-md", "--draft", help="The draft model that would propose tokens for it."
+            "-d",
+            "-md",
+            "--draft",
+            help="The draft model that would propose tokens for it, or 'mtp' for the "
+            "target's own MTP head.",
         ),
     ],
     as_json: JsonOpt = False,
@@ -812,6 +819,10 @@ def check(
     from specdec_cli.models.compat import check_pair
 
     target_model = modelinfo.load_model(model, config)
+    if draft.lower() == HEAD:
+        if not modelinfo.print_head_check(target_model, as_json=as_json):
+            raise typer.Exit(1)
+        return
     draft_model = modelinfo.load_model(draft, config)
     report = check_pair(target_model, draft_model)
     shared = None

@@ -15,6 +15,7 @@ from specdec_cli.decoding.translate import SharedVocab
 from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.models.config import load_config
+from specdec_cli.models.mtp import describe_head, head_summary
 from specdec_cli.models.resolve import locate_model
 
 
@@ -71,6 +72,7 @@ def describe(facts: ModelFacts) -> dict[str, object]:
         "file_size": model.file_size,
         "chat_template": model.chat_template is not None,
         "split_count": model.split_count,
+        "drafting_head": describe_head(model),
     }
 
 
@@ -110,6 +112,7 @@ def _info_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
         ("file size", human_bytes(facts["file_size"])),
         ("chat template", "yes" if facts["chat_template"] else "no"),
     ]
+    rows.append(("drafting head", head_summary(facts["drafting_head"])))  # type: ignore[arg-type]
     if facts["split_count"] > 1:
         rows.append(("split", f"{facts['split_count']} files (parameters: this file only)"))
     return rows
@@ -202,6 +205,23 @@ def shared_token_texts(target: ModelFacts, draft: ModelFacts) -> int:
     finally:
         for model in models:
             model.close()
+
+
+def print_head_check(target: ModelFacts, *, as_json: bool) -> bool:
+    """`specdec check -d mtp`: whether the target drafts with its own head, and how.
+    Returns whether it can."""
+    head = describe_head(target.file)
+    problem = head["problem"] if head["heads"] else f"{target.path.name} has no MTP layers"
+    if as_json:
+        print(json.dumps({"target": str(target.path), "draft": "mtp", **head, "problem": problem}))
+        return problem is None
+    print(f"target: {target.path}")
+    print("draft:  the target's own MTP head (-d mtp)")
+    print(f"result: {'NOT compatible' if problem else 'compatible'}")
+    print(f"method: {head_summary(head)}")
+    if problem:
+        print(f"problem: {problem}")
+    return problem is None
 
 
 def print_check(

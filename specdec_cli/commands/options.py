@@ -35,7 +35,10 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.models.config import ModelSpec, PairSpec, load_config
+from specdec_cli.models.gguf_meta import read_gguf
+from specdec_cli.models.mtp import head_problem
 from specdec_cli.models.resolve import (
+    HEAD,
     NO_DRAFT,
     OWN_MODELS,
     default_pair,
@@ -58,8 +61,9 @@ ModelOpt = Annotated[
     typer.Option("-m", "--model", metavar="MODEL", help=MODEL_HELP, show_default=False),
 ]
 DRAFT_HELP = (
-    "Draft model (same forms as -m), 'ngram' for prompt lookup alone, or 'none' for "
-    "target-only decoding. A draft model comes with lookup first (see --ngram)."
+    "Draft model (same forms as -m), 'mtp' for the target's own MTP head, 'ngram' for "
+    "prompt lookup alone, or 'none' for target-only decoding. A draft model or head comes "
+    "with lookup first (see --ngram). Without -d, a target with an MTP head drafts with it."
 )
 DraftsOpt = Annotated[
     list[str] | None,
@@ -539,6 +543,7 @@ def engine_options(
     ngram = lookup_setting(draft, lookup_named, ngram)
     if not drafts and pair is not None:
         draft = pair.draft.name or pair.draft.path
+    head = head_setting(drafts, draft, lookup_named)
     drafting = DraftOptions(
         **only_given(
             k=first_given(k, pair.k if pair else None),
@@ -580,6 +585,7 @@ def engine_options(
     options = EngineOptions(
         target=target,
         draft=draft_path,
+        head=head,
         ngram=ngram,
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
         n_gpu_layers_draft=_gpu_layers(n_gpu_layers_draft, "-ngld", draft_spec),
@@ -610,11 +616,23 @@ def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None)
 
 
 def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
-    """-d values: (the draft model named, if any; whether n-gram lookup was asked for)."""
-    models = [d for d in drafts if d.lower() != "ngram"]
-    if len(models) > 1:
-        raise UserError(f"one draft model at a time (got {', '.join(models)}); keep one -d")
-    return (models[0] if models else None), len(models) < len(drafts)
+    """-d values: (the draft model named, if any; whether n-gram lookup was asked for).
+    The target's head ('mtp') is not a model: see head_setting."""
+    models = [d for d in drafts if d.lower() not in ("ngram", HEAD)]
+    lookup = any(d.lower() == "ngram" for d in drafts)
+    heads = len(drafts) - len(models) - lookup
+    if len(models) + bool(heads) > 1:
+        named = [*models, HEAD] if heads else models
+        raise UserError(f"one draft model at a time (got {', '.join(named)}); keep one -d")
+    return (models[0] if models else None), lookup
+
+
+def head_setting(drafts: list[str], draft: str | None, lookup: bool) -> bool | None:
+    """Whether the target's MTP head drafts (EngineOptions.head): True for -d mtp, False
+    where -d names something else (a model, 'none', the lookup alone), else None."""
+    if any(d.lower() == HEAD for d in drafts):
+        return True
+    return False if draft or lookup else None
 
 
 def lookup_setting(draft: str | None, named: bool, flag: bool | None) -> bool | None:
@@ -666,10 +684,17 @@ def generation_options(
     return generation
 
 
+def drafts_itself(options: EngineOptions) -> bool:
+    """Whether the target drafts with its own MTP head (see EngineOptions.head)."""
+    if options.head is None:
+        return head_problem(read_gguf(options.target)) is None
+    return options.head
+
+
 def ignored_options(options: EngineOptions, k: str | None, color: bool = False) -> list[str]:
     """Options that would do nothing as given: one warning line each."""
     out = []
-    if k is not None and options.draft is None and not options.ngram:
+    if k is not None and options.draft is None and not options.ngram and not drafts_itself(options):
         out.append(f"-k {k} does nothing without a drafter; add -d DRAFT or -d ngram")
     if color and not sys.stdout.isatty():
         out.append("--color colours text on a terminal only; stdout is not one")

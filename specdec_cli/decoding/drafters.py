@@ -763,6 +763,7 @@ class LookupThenModel:
 
     def __init__(self, lookup: NgramDrafter, model: Drafter) -> None:
         self.lookup, self.model = lookup, model
+        self.name = f"{model.name}+ngram"  # "model+ngram", or beside a head "mtp+ngram"
         self.ctx = model.ctx
         self.hit_rate: dict[str, float] = {}
         self._guesses: list[tuple[str, int, list[int]]] = []  # (source, start, tokens)

@@ -41,7 +41,7 @@ class Engine(LoadedModels):
         """Each slot's decoder for the options' drafting. Made at first use, since a first
         -k auto run measures costs here: `run` checks its prompt before that wait."""
         o = self.options
-        kind = drafter_kind(o.draft is not None, o.ngram)
+        kind = drafter_kind(o.draft is not None, o.ngram, self.head is not None)
         return [self.make_decoder(kind, o.drafting.k, slot=slot) for slot in range(o.parallel)]
 
     @property

@@ -4,6 +4,7 @@ measured of them once (flash attention on or off, the costs of a decode call).""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import NamedTuple, TypeVar
 
@@ -21,6 +22,7 @@ from specdec_cli.decoding.translate import Translation
 from specdec_cli.decoding.treeshape import MAX_WIDTH
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import backend, costcache, rpc
+from specdec_cli.llamacpp.heads import HeadContext, HiddenStates, record_hidden_states
 from specdec_cli.llamacpp.llama import (
     LLAMA_MAX_SEQ,
     Context,
@@ -32,6 +34,7 @@ from specdec_cli.llamacpp.llama import (
 from specdec_cli.llamacpp.machine import physical_cores
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
+from specdec_cli.models.mtp import head_problem
 
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
@@ -136,8 +139,10 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
+        uses_head = wants_head(options)
+        target_params = replace(target_params, load_mtp=uses_head)
         draft_params = _draft_params(options, repack)
-        self._owned: list[Model | Context] = []
+        self._owned: list[Model | Context | HeadContext] = []
         self.model = self._own(Model(options.target, target_params))
         parallel = options.parallel
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
@@ -147,7 +152,7 @@ class LoadedModels:
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
         draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
-        self.tree_nodes = self._tree_nodes(draft_model, n_ctx)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -160,6 +165,8 @@ class LoadedModels:
             n_seq_max=target_seqs * parallel,
         )
         self.target = self._own(Context(self.model, target_params))
+        # The target's own MTP head: one context for every slot, as the draft model's.
+        self.head = self._own(HeadContext(self.target, parallel)) if uses_head else None
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
         # What -k auto prices with: the median of the measurements kept, and the first.
@@ -188,6 +195,16 @@ class LoadedModels:
         self.draft_slots: list[Context | None] = (
             list(self.draft_ctx.split(parallel)) if self.draft_ctx else [None] * parallel
         )
+        # Each slot's head, and the target's hidden states it reads (recorded from the
+        # target's first decode on).
+        self.head_slots: list[tuple[HeadContext, HiddenStates]] = (
+            [
+                (head, record_hidden_states(slot))
+                for head, slot in zip(self.head.split(parallel), self.slots, strict=True)
+            ]
+            if self.head
+            else []
+        )
         # A draft of another vocabulary: its prompts, and the texts both vocabularies share.
         self.translation: Translation | None = None
         if draft_model and pairing.translated:
@@ -212,13 +229,17 @@ class LoadedModels:
         o = self.options
         return ContextParams(n_ctx, threads, flash_attn, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max)
 
-    def _tree_nodes(self, draft_model: Model | None, n_ctx: int) -> int:
+    def _tree_nodes(self, draft_model: Model | None, n_ctx: int, head: bool) -> int:
         """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
         decode call, and a context holds at most a batch's worth of sequences (one per
         leaf, and the accepted one). A recurrent model keeps one state per sequence, not
-        per branch: it drafts and verifies chains."""
+        per branch: it drafts and verifies chains. So does a head, so far."""
         tree = self.options.drafting.tree
         nodes = parse_tree(tree) or 0
+        if nodes and head:
+            if tree != "auto":
+                raise UserError(f"--tree {tree}: an MTP head drafts chains; use --tree off")
+            return 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
         if nodes and recurrent:
             if tree != "auto":  # auto: trees where they pay, and they cannot here
@@ -360,6 +381,7 @@ class LoadedModels:
         return {
             "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
             "flash_attn": [self.flash_attn.used, self.draft_flash_attn],
+            "head": "mtp" if self.head else None,
             "sizes": sorted(sizes),
             **self._load_settings(),
         }
@@ -368,7 +390,8 @@ class LoadedModels:
         """Measure (again) at `position` tokens into the context; later decoders use these."""
         sizes = set(sizes)
         position = max(1, min(position, self.target.n_ctx - max(sizes) - 1))
-        costs = measure_costs(self.target, self.draft_ctx, sizes, reps, position)
+        draft = self.draft_ctx or self.head
+        costs = measure_costs(self.target, draft, sizes, reps, position)  # type: ignore[arg-type]
         self._prices = costs, costs
         return costs
 
@@ -395,6 +418,17 @@ def batch_warnings(options: EngineOptions) -> list[str]:
         for flag, n in asked
         if n > most
     ]
+
+
+def wants_head(options: EngineOptions) -> bool:
+    """Whether the target's MTP head drafts: where -d mtp asks (refused in one line where
+    it cannot), or by default where the target has one (see EngineOptions.head)."""
+    if options.head is False:
+        return False
+    problem = head_problem(gguf_meta.read_gguf(options.target))
+    if options.head and problem:
+        raise UserError(f"-d mtp: {problem}; draft with -d ngram or a draft model instead")
+    return problem is None
 
 
 def check_models(target: Path, draft: Path | None) -> compat.CompatReport:

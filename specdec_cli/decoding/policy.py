@@ -20,6 +20,7 @@ from specdec_cli.decoding.drafters import (
     TextMemory,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.heads import HeadDrafter
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy
@@ -52,10 +53,11 @@ class Policy:
         )
 
     def decoder(self, kind: str | None, k: str, tree: str | None = None, slot: int = 0) -> Decoder:
-        """A decoder for `slot`, drafting with `kind` ("model", "ngram", "model+ngram", or
-        None for target-only), draft length k (a number or "auto") and `tree` ("off",
-        "auto" or a number of tokens; None: the options'). All decoders share the loaded
-        models; a slot's decoders share its part of their contexts."""
+        """A decoder for `slot`, drafting with `kind` ("model", "ngram", "model+ngram", the
+        head's "mtp" and "mtp+ngram", or None for target-only), draft length k (a number
+        or "auto") and `tree` ("off", "auto" or a number of tokens; None: the options').
+        All decoders share the loaded models; a slot's decoders share its part of their
+        contexts."""
         d, sampling = self.models.options.drafting, self.models.options.sampling
         tree = d.tree if tree is None else tree
         target, draft_ctx = self.models.slots[slot], self.models.draft_slots[slot]
@@ -63,20 +65,19 @@ class Policy:
             return Decoder(target, None, sampling)
         if kind == "ngram":
             drafter: Drafter = self._lookup(d.ngram_min)
-        elif draft_ctx is None:
-            raise UserError("no draft model is loaded; pass one with -d")
-        elif kind == "model":
-            drafter = self.model_drafter(draft_ctx)
         else:
-            # Next to a draft model, only longer matches are worth more than its guess.
-            lookup = self._lookup(max(d.ngram_min, LOOKUP_MIN_MATCH))
-            drafter = LookupThenModel(lookup, self.model_drafter(draft_ctx))
+            model, _, lookup_beside = kind.partition("+")
+            drafter = self._head(slot) if model == HeadDrafter.name else self._model(draft_ctx)
+            if lookup_beside:
+                # Next to a model, only longer matches are worth more than its guess.
+                lookup = self._lookup(max(d.ngram_min, LOOKUP_MIN_MATCH))
+                drafter = LookupThenModel(lookup, drafter)
         # With -k auto, a lookup beside the model has a length policy of its own: it learns
         # that copied text is accepted far longer than the model's guesses.
         auto = parse_k(k) is None
-        own = kind == "model+ngram" and auto
+        own = kind.endswith("+ngram") and auto
         lengths = {"ngram": self.draft_length("ngram", k)} if own else {}
-        if auto and kind != "model":
+        if auto and "ngram" in kind:
             # A verbatim repeat is accepted far longer still: it starts out trusted.
             lengths[NgramDrafter.VERBATIM_SOURCE] = self._length("ngram", k, None, VERBATIM_PRIOR)
         length = self.draft_length(kind, k)
@@ -90,6 +91,18 @@ class Policy:
         texts too."""
         d, sampling = self.models.options.drafting, self.models.options.sampling
         return NgramDrafter(n_min, max(d.ngram_max, n_min), sampling.draft_invariant, self.memory)
+
+    def _model(self, ctx: Context | None) -> ModelDrafter | TranslatedDrafter:
+        if ctx is None:
+            raise UserError("no draft model is loaded; pass one with -d")
+        return self.model_drafter(ctx)
+
+    def _head(self, slot: int) -> HeadDrafter:
+        """The slot's share of the target's MTP head."""
+        if not self.models.head_slots:
+            raise UserError(f"{self.models.model.path.name} drafts with no MTP head here")
+        head, states = self.models.head_slots[slot]
+        return HeadDrafter(head, states, self.models.options.sampling)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""

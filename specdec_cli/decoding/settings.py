@@ -41,6 +41,9 @@ class GenerationOptions:
 class EngineOptions:
     target: Path
     draft: Path | None = None  # a draft model file
+    # The target's own MTP head drafts (-d mtp). None: where the target has one and no
+    # draft model is given (see compat.head_problem); False: never.
+    head: bool | None = None
     # N-gram lookup: alone, or tried before the draft model. None: before a draft model
     # (it drafts only where its guesses have lately beaten the model's).
     ngram: bool | None = None
@@ -64,17 +67,17 @@ class EngineOptions:
     drafting: DraftOptions = field(default_factory=DraftOptions)
 
 
-def drafter_kind(model: bool, ngram: bool | None) -> str | None:
-    """The drafter for a draft model and/or n-gram lookup (see EngineOptions.ngram and
-    Policy.decoder)."""
-    if model:
-        return model_drafter_kind(ngram)
+def drafter_kind(model: bool, ngram: bool | None, head: bool = False) -> str | None:
+    """The drafter for a draft model (or the target's head) and/or n-gram lookup (see
+    EngineOptions.ngram and Policy.decoder)."""
+    if model or head:
+        return model_drafter_kind(ngram, "mtp" if head else "model")
     return "ngram" if ngram else None
 
 
-def model_drafter_kind(ngram: bool | None) -> str:
-    """A draft model's drafter: lookup first, unless turned off."""
-    return "model" if ngram is False else "model+ngram"
+def model_drafter_kind(ngram: bool | None, model: str = "model") -> str:
+    """A draft model's (or head's) drafter: lookup first, unless turned off."""
+    return model if ngram is False else f"{model}+ngram"
 
 
 def parse_gpu_layers(value: str, flag: str = "-ngl") -> int:

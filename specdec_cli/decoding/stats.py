@@ -167,6 +167,7 @@ class Stats:
         if self.drafted:
             line += (
                 f", accepted {self.accepted}/{self.drafted} ({self.acceptance_rate:.1%})"
+                f" from {'+'.join(sorted(n for n, k in self.proposed_by.items() if k))}"
                 f", {self.tokens_per_pass:.2f} tokens/pass, k={self.k} (mean {self.mean_k:.2f})"
             )
             if self.tree != "off":

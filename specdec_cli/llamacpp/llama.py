@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -60,6 +60,7 @@ class ModelParams:
     n_gpu_layers: int = -1  # -ngl: layers to offload; -1 is all (a CPU-only build offloads none)
     devices: tuple[int, ...] | None = None  # -dev: ggml_backend_dev_t handles; None: every GPU
     use_extra_bufts: bool = True  # --repack: weights repacked for the CPU's fastest kernels
+    load_mtp: bool = False  # the MTP ("nextn") layers too, to draft with (llamacpp/heads.py)
 
     def to_llama(self) -> tuple[llama_cpp.llama_model_params, ctypes.Array | None]:
         """llama_model_params, and the device array they point to (keep it alive until
@@ -68,6 +69,7 @@ class ModelParams:
         params = llama_cpp.llama_model_default_params()
         params.n_gpu_layers = self.n_gpu_layers
         params.use_extra_bufts = self.use_extra_bufts
+        params.load_mtp = self.load_mtp
         devices = None
         if self.devices is not None:
             devices = (ctypes.c_void_p * (len(self.devices) + 1))(*self.devices, None)
@@ -133,6 +135,8 @@ class Model:
         )
         self.recurrent: bool = is_recurrent(self.ptr) or is_hybrid(self.ptr)
         self.add_bos: bool = bool(llama_cpp.llama_vocab_get_add_bos(self.vocab))
+        # MTP blocks the file has (loaded only with ModelParams.load_mtp).
+        self.n_nextn: int = llama_cpp.llama_model_n_layer_nextn(self.ptr)
         self._pieces: dict[int, bytes] = {}
 
     def close(self) -> None:
@@ -311,6 +315,11 @@ class Context:
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(ptr))
         self.n_batch: int = cparams.n_batch
         self.threads: int = params.n_threads
+        self.flash_attn = params.flash_attn
+        # Called after each decode call with this context's tokens in it: (the position
+        # of its first token, its places in the batch). A drafting head reads the
+        # target's hidden states there (see heads.record_hidden_states).
+        self.on_decoded: Callable[[int, slice], None] | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0
         self._start_sequences(0, cparams.n_seq_max)
@@ -446,6 +455,7 @@ class Context:
         this context's part of the next flush."""
         self._first_logit, self._last_row = rows.stop - n_logits, rows.stop - 1
         self._last_call_start = pos
+        self._staged_rows = rows
         self._shared.stage(self, rows.stop - rows.start)
 
     @property
@@ -491,6 +501,8 @@ class Context:
             self.runs += 1
         self._run_open = not shared
         self._tree, self._staged_tree = self._staged_tree, None
+        if self.on_decoded is not None:
+            self.on_decoded(self._last_call_start, self._staged_rows)
 
     def _failed(self) -> None:
         """The flush that held this context's staged tokens failed: forget them."""

@@ -170,6 +170,11 @@ class GGUFFile:
         return self._arch_value("block_count")
 
     @property
+    def n_nextn(self) -> int:
+        """MTP ("nextn") blocks: the model's own drafting heads, after its layers."""
+        return int(self._arch_value("nextn_predict_layers") or 0)
+
+    @property
     def embedding_length(self) -> int | None:
         return self._arch_value("embedding_length")
 

@@ -764,8 +764,11 @@ class Api:
                 return
 
     def _logprob_writer(self, job: Job, endpoint: Endpoint) -> LogprobWriter | None:
-        options, engine = job.request.logprobs, self.service.engine
-        if options is None or engine is None:
+        options = job.request.logprobs
+        if options is None:  # asked for nothing: nothing to read, not even the engine
+            return None
+        engine = self.service.engine
+        if engine is None:
             return None
         return LogprobWriter(engine.model, endpoint.chat, options, job.shown)
 

@@ -1,0 +1,463 @@
+"""Drafting with the target's own MTP head: the output is the target's alone, token for
+token and in distribution; the head reads the target's hidden states; after a partial
+acceptance it drafts as a fresh pair of contexts fed the same history would."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ggufgen import KnownAnswer, Qwen35Params, spm_vocab, write_mtp_known_answer, write_qwen35_model
+from scipy.stats import chi2_contingency
+from test_decode import N_FIRST, PROMPT, SAMPLING, contingency, first_tokens
+
+from specdec_cli.decoding.decode import step
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.heads import HeadDrafter
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp import heads
+from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+
+N_PREDICT = 64
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Qwen3.5 target (a gated-delta-net layer, an attention layer) with one MTP block
+    that agrees with it about three times in four (see write_qwen35_model)."""
+    path = tmp_path_factory.mktemp("qwen35") / "qwen35-mtp.gguf"
+    return write_qwen35_model(path, spm_vocab(), Qwen35Params(), seed=1, weak_scale=0.05)
+
+
+def open_engine(
+    target: Path,
+    k: int | str = 3,
+    sampling: SamplingParams = GREEDY,
+    parallel: int = 1,
+    head: bool | None = None,
+    ngram: bool | None = False,
+) -> Engine:
+    """The target drafting for itself (head None: as by default, with its head)."""
+    return Engine(
+        EngineOptions(
+            target=target,
+            head=head,
+            ngram=ngram,
+            n_ctx=256 * parallel,
+            parallel=parallel,
+            threads=1,
+            flash_attn="off",
+            sampling=sampling,
+            drafting=DraftOptions(k=str(k), tree="off"),
+        )
+    )
+
+
+def generate(engine: Engine, decoder=None, n: int = N_PREDICT, seed: int = 0):
+    stats, out = Stats(), []
+    prompt = engine.tokenize(PROMPT)
+    decoder = decoder or engine.decoder
+    for new in decoder.generate(prompt, n, np.random.default_rng(seed), stats):
+        out += new.tokens
+    return out, stats
+
+
+@pytest.fixture(scope="module")
+def reference(mtp_model: Path) -> list[int]:
+    with open_engine(mtp_model, head=False) as engine:
+        assert engine.decoder.drafter is None
+        return generate(engine)[0]
+
+
+def test_reference_is_a_real_continuation(reference: list[int]) -> None:
+    assert len(reference) == N_PREDICT
+    assert len(set(reference)) > 5
+
+
+@pytest.mark.usefixtures("moderate_costs")
+@pytest.mark.parametrize("k", [1, 3, 8, "auto"])
+def test_greedy_head_equal_to_target(mtp_model: Path, reference: list[int], k) -> None:
+    """By default (no -d) the target drafts with its head; rejected drafts leave no trace
+    in the hybrid target's recurrent state nor in the head's memory."""
+    with open_engine(mtp_model, k) as engine:
+        assert isinstance(engine.decoder.drafter, HeadDrafter)
+        out, stats = generate(engine)
+    assert out == reference
+    assert stats.proposed_by["mtp"] > 0
+    assert 0.0 < stats.acceptance_rate < 1.0  # some drafts kept, some rejected
+
+
+def test_greedy_head_beside_the_lookup(mtp_model: Path, reference: list[int]) -> None:
+    """The default: lookup first, the head elsewhere."""
+    with open_engine(mtp_model, 3, ngram=None) as engine:
+        assert engine.decoder.drafter.name == "mtp+ngram"
+        out, stats = generate(engine, n=N_PREDICT)
+    assert out == reference
+    assert stats.proposed_by["mtp"] > 0
+
+
+def test_greedy_head_in_four_slots(mtp_model: Path, reference: list[int]) -> None:
+    """Four generations at once, one head context for all: each slot's text is the
+    target's alone, started at different times so that their rounds interleave."""
+    with open_engine(mtp_model, 3, parallel=4) as engine:
+        prompt = engine.tokenize(PROMPT)
+        runs = [
+            engine.decoders[slot].start(
+                prompt, N_PREDICT - 4 * slot, np.random.default_rng(0), Stats()
+            )
+            for slot in range(4)
+        ]
+        outs: list[list[int]] = [[] for _ in runs]
+        while not all(g.finished for g in runs):
+            busy = [g for g in runs if not g.finished]
+            step(busy)
+            for i, g in enumerate(runs):
+                if g in busy and g.round:
+                    outs[i] += g.round.tokens
+        drafted = sum(g.stats.drafted for g in runs)
+    for slot, out in enumerate(outs):
+        assert out == reference[: N_PREDICT - 4 * slot]
+    assert drafted > 0
+
+
+def test_the_head_reads_the_targets_hidden_states(
+    mtp_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head's drafts depend on the hidden states it is given: with zeros in place of
+    the target's, it drafts otherwise (this random head is not worse for it: the
+    known-answer model's test shows the states are the right ones)."""
+    with open_engine(mtp_model, 3) as engine:
+        good = generate(engine)[1]
+    monkeypatch.setattr(
+        heads.HiddenStates,
+        "before",
+        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
+    )
+    with open_engine(mtp_model, 3) as engine:
+        blind = generate(engine)[1]
+    assert (blind.drafted, blind.accepted) != (good.drafted, good.accepted)
+
+
+class _FreshPair:
+    """A target and its head, fed a history from scratch: what the running pair's head
+    must match after any rollback."""
+
+    def __init__(self, path: Path) -> None:
+        self.model = Model(path, ModelParams(load_mtp=True))
+        self.target = Context(self.model, ContextParams(256, 1, "off", n_rs_seq=8))
+        self.head = HeadContext(self.target, 1)
+        self.states = record_hidden_states(self.target)
+
+    def head_logits_after(self, tokens: list[int]) -> np.ndarray:
+        """The head's logits drafting the token after `tokens` (the target has read all
+        but the last, as in a round)."""
+        self.target.decode(tokens[:-1], 0)
+        self.head.stage(tokens, hidden=self.states.before(0, len(tokens)))
+        self.head.flush()
+        return self.head.logits().copy()
+
+    def close(self) -> None:
+        self.head.close()
+        self.target.close()
+        self.model.close()
+
+
+def test_after_a_partial_acceptance_the_head_drafts_as_fresh_contexts(mtp_model: Path) -> None:
+    """Rounds of a greedy k=4 generation: at each round's first draft step, the head's
+    logits equal those of a fresh target and head fed the accepted text at once."""
+    seen: list[tuple[list[int], np.ndarray]] = []
+    original = HeadDrafter.children
+
+    def children(self, logits, rng, n, need_confidence, position=0):
+        if position == len(self._tokens):  # a round's first draft step
+            seen.append((self._tokens, logits.copy()))
+        return original(self, logits, rng, n, need_confidence, position)
+
+    original_drafting = HeadDrafter.drafting
+
+    def drafting(self, tokens, k, rng, *args, **kwargs):
+        self._tokens = list(tokens)
+        return original_drafting(self, tokens, k, rng, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(HeadDrafter, "children", children)
+        mp.setattr(HeadDrafter, "drafting", drafting)
+        with open_engine(mtp_model, 4) as engine:
+            stats = generate(engine, n=40)[1]
+    assert 0 < stats.accepted < stats.drafted  # partial acceptances happened
+    fresh = _FreshPair(mtp_model)
+    try:
+        checked = 0
+        for tokens, logits in seen[1:]:
+            fresh.target.trim(0)
+            fresh.head.rewind(0)
+            expected = fresh.head_logits_after(tokens)
+            np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+            checked += 1
+    finally:
+        fresh.close()
+    assert checked > 5
+
+
+N_RUNS = 1500
+
+
+class _MislabelledHead(HeadDrafter):
+    """A broken head, for the negative control: it draws each token from its q but tells
+    the verifier another distribution (q at a lower temperature)."""
+
+    def children(self, logits, rng, n, need_confidence, position=0):
+        ids, probs, dists = super().children(logits, rng, n, need_confidence, position)
+        sharper = SamplingParams(temp=self.sampling.temp / 3, top_k=20, top_p=0.95, min_p=0.0)
+        return ids, probs, [distribution(logits, sharper) if d is not None else d for d in dists]
+
+
+def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
+    """First tokens of many seeded runs, head-drafted against target-only; the negative
+    control (a q that is not what the head drew from) must be told apart."""
+    with open_engine(mtp_model, 3, SAMPLING) as engine:
+        baseline = first_tokens(engine, range(N_RUNS), engine.make_decoder(None, "1"))
+        speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
+        decoder = engine.decoder
+        head = decoder.drafter
+        decoder.drafter = _MislabelledHead(head.head, head.states, head.sampling)
+        broken = first_tokens(engine, range(2 * N_RUNS, 3 * N_RUNS))
+    for position in range(N_FIRST):
+        table = contingency(baseline[:, position], speculative[:, position])
+        assert table.shape[1] > 3
+        assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
+    # Position 0 comes with the prompt, undrafted: the control shows after it.
+    controls = [chi2_contingency(contingency(baseline[:, p], broken[:, p])).pvalue for p in (1, 2)]
+    assert min(controls) < 1e-3
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    code = "from specdec_cli.__main__ import main\nmain()\n"
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_run_uses_the_head_by_default_and_says_so(mtp_model: Path) -> None:
+    result = run_cli(
+        "run",
+        "-m",
+        str(mtp_model),
+        "-p",
+        PROMPT,
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "-k",
+        "3",
+        "-fa",
+        "off",
+        "-t",
+        "1",
+        "--json",
+    )
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout)
+    assert "mtp" in json.dumps(record.get("drafters", record))
+
+
+# A model whose answers are known (ggufgen.write_mtp_known_answer): what its head drafts
+# and the target accepts follows from its tables, simulated here in numpy.
+
+
+@pytest.fixture(scope="module")
+def known_answer(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, KnownAnswer]:
+    path = tmp_path_factory.mktemp("known") / "qwen35-known-answer.gguf"
+    return path, write_mtp_known_answer(path, spm_vocab(), seed=3)
+
+
+def _rms(x: np.ndarray) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x) + 1e-6)
+
+
+def head_drafts(ka: KnownAnswer, tokens: list[int], k: int) -> list[int]:
+    """The head's greedy chain after `tokens`, computed from the tables: it reads the last
+    token beside the trunk's state after the one before it, then its own states."""
+    state = _rms(ka.token_embd[tokens[-2]]) if len(tokens) > 1 else np.zeros(ka.n_embd)
+    token, drafts = tokens[-1], []
+    for _ in range(k):
+        read = np.concatenate([_rms(ka.token_embd[token]), _rms(state) if state.any() else state])
+        state = _rms(ka.eh_proj @ read)
+        token = int(np.argmax(ka.head @ state))
+        drafts.append(token)
+    return drafts
+
+
+def expected_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tuple[int, int]:
+    """(drafted, accepted) of a greedy generation of n tokens at draft length k, as the
+    decode loop runs it: its first token comes with the prompt, undrafted; each round
+    drafts at most one token fewer than are still to come."""
+    tokens = [*prompt, int(ka.succ[prompt[-1]])]
+    drafted = accepted = 0
+    while len(tokens) - len(prompt) < n:
+        room = n - (len(tokens) - len(prompt))
+        draft = head_drafts(ka, tokens, min(k, room - 1)) if room > 1 else []
+        truth = [int(ka.succ[tokens[-1]])]
+        while len(truth) <= len(draft):  # the target's answers, one past the draft
+            truth.append(int(ka.succ[truth[-1]]))
+        taken = next(
+            (i for i, (d, t) in enumerate(zip(draft, truth[:-1], strict=True)) if d != t),
+            len(draft),
+        )
+        drafted, accepted = drafted + len(draft), accepted + taken
+        tokens += truth[: taken + 1]
+    return drafted, accepted
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_known_answer_acceptance_follows_from_the_tables(known_answer, k: int) -> None:
+    """The target writes its successor cycle, and the head's drafts are accepted exactly
+    as often as its tables say: the right hidden state reaches it at the right row."""
+    path, ka = known_answer
+    with open_engine(path, k) as engine:
+        prompt = engine.tokenize(PROMPT)
+        out, stats = generate(engine, n=48)
+    tokens = [*prompt, *out]
+    assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
+    drafted, accepted = expected_rounds(ka, prompt, 48, k)
+    assert (stats.drafted, stats.accepted) == (drafted, accepted)
+    assert 0 < accepted < drafted
+
+
+def test_known_answer_head_without_states_accepts_nothing(known_answer, monkeypatch) -> None:
+    """The control: with zeros for the target's states, the decoy wins every first step."""
+    path, _ = known_answer
+    monkeypatch.setattr(
+        heads.HiddenStates,
+        "before",
+        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
+    )
+    with open_engine(path, 1) as engine:
+        stats = generate(engine, n=32)[1]
+    assert stats.drafted > 0 and stats.accepted == 0
+
+
+def test_info_and_check_say_what_the_head_reads(mtp_model: Path, target_model: Path) -> None:
+    info = run_cli("info", str(mtp_model))
+    assert info.returncode == 0, info.stderr
+    assert "drafting head: MTP, 1 block(s) (2), reading the output of layer 1" in info.stdout
+    check = run_cli("check", "-m", str(mtp_model), "-d", "mtp", "--json")
+    assert check.returncode == 0, check.stderr
+    record = json.loads(check.stdout)
+    assert (record["method"], record["heads"], record["reads_layer"]) == ("mtp", 1, 1)
+    refused = run_cli("check", "-m", str(target_model), "-d", "mtp")
+    assert refused.returncode == 1
+    assert "has no MTP layers" in refused.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-d", "mtp"], "-d mtp: target.gguf has no MTP layers to draft with"),
+        (["-d", "mtp", "-d", "DRAFT"], "one draft model at a time"),
+    ],
+)
+def test_an_impossible_head_is_refused_in_one_line(
+    target_model: Path, draft_model: Path, args: list[str], message: str
+) -> None:
+    args = [str(draft_model) if a == "DRAFT" else a for a in args]
+    result = run_cli("run", "-m", str(target_model), *args, "-p", "Once", "-n", "4")
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_head_refuses_a_tree(mtp_model: Path) -> None:
+    result = run_cli("run", "-m", str(mtp_model), "--tree", "8", "-p", "Once", "-n", "4")
+    assert result.returncode == 2
+    assert "an MTP head drafts chains" in result.stderr
+
+
+def llama_cpp_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tuple[int, int]:
+    """(n_drafted, n_accept) that llama.cpp's llama-speculative-simple reports for a greedy
+    run of -n n at --spec-draft-n-max k, from the tables and its loop: it drafts from the
+    first round on, stops once it has more than n tokens, drafts at most n - 1 - (tokens
+    so far), and after a partial acceptance restores its checkpoint of the hybrid
+    target and verifies the accepted tokens again as the next draft (counted again)."""
+    tokens, n_predict, drafted, accepted = list(prompt), 0, 0, 0
+    replay: list[int] = []
+    while True:
+        if replay:
+            draft, replay = replay, []
+        else:
+            draft = head_drafts(ka, tokens, max(0, min(k, n - n_predict - 1)))
+        truth = [int(ka.succ[tokens[-1]])]
+        while len(truth) <= len(draft):
+            truth.append(int(ka.succ[truth[-1]]))
+        taken = next(
+            (i for i, (d, t) in enumerate(zip(draft, truth, strict=False)) if d != t), len(draft)
+        )
+        if taken < len(draft):
+            replay = truth[: taken + 1]
+            continue
+        drafted, accepted = drafted + len(draft), accepted + taken
+        tokens += truth[: taken + 1]
+        n_predict += taken + 1
+        if n_predict > n:
+            return drafted, accepted
+
+
+def llama_tools() -> Path:
+    """llama.cpp's own tools (.ci/build_tools builds them; SPECDEC_LLAMA_TOOLS names
+    their folder)."""
+    folder = os.environ.get("SPECDEC_LLAMA_TOOLS")
+    tool = Path(folder or "/nonexistent") / "llama-speculative-simple"
+    if not tool.is_file():
+        pytest.skip("llama.cpp's llama-speculative-simple not built: run bash .ci/build_tools")
+    return tool
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_llama_cpp_accepts_what_the_tables_say_too(known_answer, k: int) -> None:
+    """llama.cpp's own MTP driver on the same file drafts what the tables say (and so
+    what specdec drafts: test_known_answer_acceptance_follows_from_the_tables)."""
+    path, ka = known_answer
+    tool = llama_tools()
+    result = subprocess.run(
+        [
+            str(tool),
+            "-m",
+            str(path),
+            "--spec-type",
+            "draft-mtp",
+            "--spec-draft-n-max",
+            str(k),
+            "-p",
+            PROMPT,
+            "-n",
+            "48",
+            "--temp",
+            "0",
+            "-t",
+            "1",
+            "-fa",
+            "off",
+            "-c",
+            "256",
+            "--no-warmup",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    reported = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", result.stderr))
+    with open_engine(path, k) as engine:
+        prompt = engine.tokenize(PROMPT)
+    expected = llama_cpp_rounds(ka, prompt, 48, k)
+    assert (int(reported["n_drafted"]), int(reported["n_accept"])) == expected
