@@ -386,30 +386,22 @@ def test_a_head_refuses_a_tree(mtp_model: Path) -> None:
 def llama_cpp_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tuple[int, int]:
     """(n_drafted, n_accept) that llama.cpp's llama-speculative-simple reports for a greedy
     run of -n n at --spec-draft-n-max k, from the tables and its loop: it drafts from the
-    first round on, stops once it has more than n tokens, drafts at most n - 1 - (tokens
-    so far), and after a partial acceptance restores its checkpoint of the hybrid
-    target and verifies the accepted tokens again as the next draft (counted again)."""
+    first round on and stops once it has more than n tokens. Each draft is cut to the
+    tokens still to come, less one, unless that is none: common_speculative_draft cuts
+    only to a positive limit, so its last rounds draft k whole."""
     tokens, n_predict, drafted, accepted = list(prompt), 0, 0, 0
-    replay: list[int] = []
-    while True:
-        if replay:
-            draft, replay = replay, []
-        else:
-            draft = head_drafts(ka, tokens, max(0, min(k, n - n_predict - 1)))
+    while n_predict <= n:
+        limit = min(k, n - n_predict - 1)
+        draft = head_drafts(ka, tokens, limit if limit > 0 else k)
         truth = [int(ka.succ[tokens[-1]])]
-        while len(truth) <= len(draft):
+        while len(truth) <= len(draft):  # the target's answers, one past the draft
             truth.append(int(ka.succ[truth[-1]]))
-        taken = next(
-            (i for i, (d, t) in enumerate(zip(draft, truth, strict=False)) if d != t), len(draft)
-        )
-        if taken < len(draft):
-            replay = truth[: taken + 1]
-            continue
+        pairs = zip(draft, truth[:-1], strict=True)
+        taken = next((i for i, (d, t) in enumerate(pairs) if d != t), len(draft))
         drafted, accepted = drafted + len(draft), accepted + taken
         tokens += truth[: taken + 1]
         n_predict += taken + 1
-        if n_predict > n:
-            return drafted, accepted
+    return drafted, accepted
 
 
 def llama_tools() -> Path:
@@ -449,7 +441,6 @@ def test_llama_cpp_accepts_what_the_tables_say_too(known_answer, k: int) -> None
             "off",
             "-c",
             "256",
-            "--no-warmup",
         ],
         capture_output=True,
         text=True,
