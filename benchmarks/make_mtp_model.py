@@ -4,7 +4,7 @@ The target writes a fixed cycle of tokens and its MTP head predicts it right aft
 tokens in four (see tests/ggufgen.py, write_mtp_known_answer): acceptance is known in
 advance and the same for every tool. Its trunk's blocks add nothing to the text but are
 computed all the same, so --layers and --ffn set what a target pass costs (the defaults:
-about 10-20 ms a token on two CPU cores, a 1-3B model's); the head keeps a narrow block.
+about 10-20 ms a token on two CPU cores, a 1-3B model's); the head is one block as wide.
 
     python benchmarks/make_mtp_model.py [--layers 8] [--ffn 4096] [--out PATH]
 """

@@ -699,7 +699,6 @@ class Qwen35Params:
     n_head_kv: int = 2
     head_dim: int = 16
     n_ff: int = 128
-    head_ff: int = 128  # the nextn blocks' feed-forward width
     full_attention_interval: int = 2  # layer 1 attends, layer 0 is recurrent
     d_state: int = 16  # each delta-net head's key and value size
     n_group: int = 2  # key heads
@@ -751,7 +750,7 @@ def qwen35_block(
     nextn = layer >= qp.n_layer
     recurrent = not nextn and (layer + 1) % qp.full_attention_interval != 0
     mixer = (qwen35_delta_net if recurrent else qwen35_attention)(rng, prefix, qp, out_scale)
-    gate, up, down = ffn_weights(rng, qp.n_embd, qp.head_ff if nextn else qp.n_ff, out_scale)
+    gate, up, down = ffn_weights(rng, qp.n_embd, qp.n_ff, out_scale)
     tensors = mixer | {
         prefix + "attn_norm.weight": np.ones(qp.n_embd, dtype=np.float32),
         prefix + "post_attention_norm.weight": np.ones(qp.n_embd, dtype=np.float32),
@@ -777,9 +776,7 @@ def qwen35_keys(qp: Qwen35Params, n_layer: int) -> dict[str, GGUFValue]:
         "embedding_length": _u32(qp.n_embd),
         "block_count": _u32(n_layer + n_nextn),
         "nextn_predict_layers": _u32(n_nextn),
-        "feed_forward_length": GGUFValue(
-            [qp.n_ff] * n_layer + [qp.head_ff] * n_nextn, GGUFValueType.ARRAY, GGUFValueType.INT32
-        ),
+        "feed_forward_length": _u32(qp.n_ff),
         "attention.head_count": _u32(qp.n_head),
         "attention.head_count_kv": _u32(qp.n_head_kv),
         "attention.key_length": _u32(qp.head_dim),
@@ -867,7 +864,8 @@ def write_mtp_known_answer(
       decoy. Without the right hidden state the decoy wins: nothing is accepted.
 
     `n_layer` and `n_ff` make the trunk as costly as a real model's (its blocks add nothing,
-    but are computed all the same), for benchmarks; the head keeps a narrow one.
+    but are computed all the same), for benchmarks. The head's block is as wide as the
+    trunk's (llama.cpp's Qwen3.5 loader gives it the first layer's width).
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)

@@ -27,7 +27,11 @@ from llama_cpp import llama_cpp_ext
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import FLASH_ATTN, Context
 
-_FLOAT_P = ctypes.POINTER(ctypes.c_float)
+
+def _floats(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
+    """A numpy view of the floats at `ptr`, through a ctypes array type made once (making
+    one a call, as np.ctypeslib.as_array does, costs tens of microseconds)."""
+    return np.frombuffer(row_type.from_address(ctypes.addressof(ptr.contents)), np.float32)
 
 
 class HiddenStates:
@@ -79,12 +83,12 @@ def record_hidden_states(target: Context) -> HiddenStates:
     llama_cpp_ext.llama_set_embeddings_nextn(target.ptr, True, False)
     n_embd = llama_cpp.llama_model_n_embd(target.model.ptr)
     states = HiddenStates(n_embd)
+    # Unmasked, llama.cpp keeps a row for every place of a batch.
+    whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(target.ptr) * n_embd)
 
     def decoded(pos: int, rows: slice) -> None:
-        # Rows are the batch's places (not only those with logits): unmasked.
-        block = llama_cpp_ext.llama_get_embeddings_nextn(target.ptr)
-        data = np.ctypeslib.as_array(block, shape=(rows.stop, n_embd))
-        states.record(pos, data[rows.start : rows.stop])
+        block = _floats(whole_batch, llama_cpp_ext.llama_get_embeddings_nextn(target.ptr))
+        states.record(pos, block.reshape(-1, n_embd)[rows.start : rows.stop])
 
     target.on_decoded = decoded
     return states
@@ -195,13 +199,12 @@ class HeadContext:
 
     def logits(self, i: int = -1) -> np.ndarray:
         """The last flush's logits for this slot's last staged token (a view)."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, self._out)
-        return np.ctypeslib.as_array(ptr, shape=(self._shared.n_vocab,))
+        return _floats(self._shared.logit_row, llama_cpp.llama_get_logits_ith(self.ptr, self._out))
 
     def hidden(self) -> np.ndarray:
         """The head's own hidden state after that token: what it reads for the next."""
         ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._out)
-        return np.ctypeslib.as_array(ptr, shape=(1, self.n_embd)).copy()
+        return _floats(self._shared.state_row, ptr).reshape(1, -1).copy()
 
     def rewind(self, n_keep: int) -> int:
         """Forget every position >= n_keep (a head's memory is attention only)."""
@@ -237,10 +240,16 @@ class _HeadShared:
         self.staged: list[HeadContext] = []
         self.n_staged = 0
         self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (text: the first)
+        self.logit_row = ctypes.c_float * n_vocab
+        self.state_row = ctypes.c_float * n_embd
+        # One row's hidden state, passed by value: its data pointer is rewritten in place
+        # for each row (a ctypes.cast and a struct a row cost more than the call).
+        self._embd = llama_cpp.llama_embd(None, 1, n_embd)
+        self._embd_data = ctypes.c_size_t.from_buffer(self._embd)  # the pointer, at offset 0
 
     def stage(self, slot: HeadContext, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
         """Add the rows to the batch now: llama.cpp copies each row's hidden state."""
-        batch, place = self.batch, self._pos
+        batch, place, embd, embd_data = self.batch, self._pos, self._embd, self._embd_data
         row_bytes = hidden.strides[0]
         base = hidden.ctypes.data
         last = len(tokens) - 1
@@ -250,8 +259,8 @@ class _HeadShared:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
             place[0] = pos + i
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
-            row = llama_cpp.llama_embd(ctypes.cast(base + i * row_bytes, _FLOAT_P), 1, self.n_embd)
-            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, row)
+            embd_data.value = base + i * row_bytes
+            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
             if i == last:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
                 slot._out = idx
