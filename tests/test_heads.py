@@ -452,3 +452,41 @@ def test_llama_cpp_accepts_what_the_tables_say_too(known_answer, k: int) -> None
         prompt = engine.tokenize(PROMPT)
     expected = llama_cpp_rounds(ka, prompt, 48, k)
     assert (int(reported["n_drafted"]), int(reported["n_accept"])) == expected
+
+
+def test_measuring_costs_prices_a_head_step(mtp_model: Path) -> None:
+    """-k auto measures a head step as it measures a draft model's call."""
+    with open_engine(mtp_model, "auto") as engine:
+        costs = engine.measure_costs({2, 4}, reps=1)
+    assert costs.draft_over_target > 0.0
+    assert set(costs.verify) >= {1, 2, 4}
+
+
+def test_serve_drafts_with_the_head_in_two_slots(
+    mtp_model: Path, reference: list[int], tmp_path: Path
+) -> None:
+    """Two requests at once through `specdec serve -np 2` (one head context for both
+    slots): each is the target's own greedy text, and the head's drafts were accepted."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+    from test_server import start
+
+    server = start(tmp_path, "-m", str(mtp_model), "-np", "2", "-k", "3", "-c", "512")
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(
+                pool.map(
+                    lambda _: httpx.post(f"{server.url}/v1/completions", json=body, timeout=60),
+                    range(2),
+                )
+            )
+        metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
+    finally:
+        assert server.stop() == 0, server.output()
+    with open_engine(mtp_model, head=False) as engine:
+        expected = b"".join(engine.model.piece(t) for t in reference[:24]).decode()
+    assert [r.json()["choices"][0]["text"] for r in replies] == [expected, expected]
+    accepted = re.search(r"spec_decode_num_accepted_tokens_total (\d+)", metrics)
+    assert accepted and int(accepted.group(1)) > 0
