@@ -414,7 +414,7 @@ BAD_FIELDS: list[tuple[str, dict]] = [
         "/v1/chat/completions",
         {
             "messages": [{"role": "user", "content": "hi"}],
-            "response_format": {"type": "json_object"},
+            "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}},
         },
     ),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "long " * 400}]}),

@@ -41,7 +41,11 @@ from specdec_cli.commands.options import (
     DraftsOpt,
     EngineFlags,
     FlagValues,
+    GrammarFileOpt,
+    GrammarOpt,
     JsonOpt,
+    JsonSchemaFileOpt,
+    JsonSchemaOpt,
     MinPOpt,
     ModelOpt,
     ReasoningFormat,
@@ -55,6 +59,7 @@ from specdec_cli.commands.options import (
     engine_options,
     first_given,
     generation_options,
+    grammar_option,
     ignored_options,
     only_given,
     shared_options,
@@ -241,6 +246,10 @@ def run(
             ),
         ),
     ] = None,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFileOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_schema_file: JsonSchemaFileOpt = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
@@ -317,9 +326,11 @@ def run(
     # The input first: a typo there must not wait for models to load (or download).
     chat_opts = chat_options(chat, system, messages, prompt, chat_format(**chat_flags))
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
+    constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     options, defaults = engine_options(
         model, draft or [], config, k=k, tree=tree, **shared_options(locals())
     )
+    options = replace(options, grammar=constraint)
     generation = generation_options(n_predict, seed, defaults)
     token_logprobs = logprob_options(logprobs, post_sampling_probs)
     json_tokens = json_tokens or token_logprobs is not None
@@ -416,6 +427,10 @@ def bench(
             help=described("Random seed (sampling only).", BenchOptions.seed),
         ),
     ] = None,
+    grammar: GrammarOpt = None,
+    grammar_file: GrammarFileOpt = None,
+    json_schema: JsonSchemaOpt = None,
+    json_schema_file: JsonSchemaFileOpt = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     json_path: Annotated[
@@ -445,6 +460,7 @@ def bench(
       specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
     """
     _check_outputs(json_path, plot_path)
+    constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     drafts = draft or []
     kinds = _drafter_kinds(drafts, engine_flags["ngram"])
     plan = BenchOptions(
@@ -458,6 +474,7 @@ def bench(
     flags = shared_options(locals())
     flags["temp"] = first_given(temp, BenchOptions.temp)
     options, _ = engine_options(model, drafts, config, k="1", tree=widest_tree(trees), **flags)
+    options = replace(options, grammar=constraint)
     if engine_flags["ctx_size"] is None:
         widest = max(options.drafting.draft_max, parse_tree(options.drafting.tree) or 0)
         n_ctx = fit_context(texts, plan.n_predict, ks, widest)

@@ -15,12 +15,14 @@ import sys
 from collections.abc import Callable
 from dataclasses import replace
 from enum import Enum
+from pathlib import Path
 from typing import Annotated, Any
 
 import numpy as np
 import typer
 
 from specdec_cli.commands.display import note
+from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
     DEFAULT_MAX_CTX,
@@ -294,6 +296,68 @@ CoupledOpt = Annotated[
         show_default=False,
     ),
 ]
+GrammarOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--grammar",
+        metavar="TEXT",
+        help="Constrain the output to this grammar: llama.cpp's GBNF (or Lark). Exact: the "
+        "target's distribution is the masked one, drafts or not.",
+    ),
+]
+GrammarFileOpt = Annotated[
+    Path | None,
+    typer.Option("--grammar-file", metavar="FILE", help="--grammar, read from this file."),
+]
+JsonSchemaOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-j",
+        "--json-schema",
+        metavar="SCHEMA",
+        help="Constrain the output to JSON that this JSON schema describes; '{}' is any JSON.",
+    ),
+]
+JsonSchemaFileOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--json-schema-file", metavar="FILE", help="--json-schema, read from this file."
+    ),
+]
+
+
+def grammar_option(
+    grammar: str | None,
+    grammar_file: Path | None,
+    json_schema: str | None,
+    json_schema_file: Path | None,
+) -> Grammar | None:
+    """--grammar, --grammar-file, -j/--json-schema or --json-schema-file (at most one),
+    parsed now: a bad one is one line before any model loads."""
+    given = {
+        "--grammar": grammar,
+        "--grammar-file": grammar_file,
+        "--json-schema": json_schema,
+        "--json-schema-file": json_schema_file,
+    }
+    flags = [flag for flag, value in given.items() if value is not None]
+    if not flags:
+        return None
+    if len(flags) > 1:
+        raise UserError(f"give one of {', '.join(flags)}, not both")
+    text = grammar if grammar is not None else json_schema
+    path = grammar_file or json_schema_file
+    if path is not None:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"{flags[0]}: cannot read {path}: {e.__class__.__name__}") from None
+    assert text is not None
+    if "schema" in flags[0]:
+        return Grammar.json_schema(text)
+    return Grammar.gbnf(text)
+
+
 DraftMaxOpt = Annotated[
     int | None,
     typer.Option(

@@ -12,8 +12,8 @@ every busy slot).
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import cast
 
 import numpy as np
@@ -24,12 +24,16 @@ from specdec_cli.decoding.drafters import (
     Draft,
     Drafter,
     DraftSteps,
+    LookupThenModel,
+    ModelDrafter,
     NgramDrafter,
     draft_together,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
+from specdec_cli.decoding.grammar import Constraint, Grammar, PathMasks
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.sampling import (
+    Dist,
     Noise,
     SamplingParams,
     distribution,
@@ -42,6 +46,8 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Context
 
 VERBATIM = NgramDrafter.VERBATIM_SOURCE
+FORCED = "grammar"  # a draft of the tokens a grammar forces (see Generation.drafting)
+LOOKUPS = (NgramDrafter.name, VERBATIM)
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,7 @@ class Decoder:
         self.lengths_adapt = drafter is not None and all(
             isinstance(p, AutoLength) for p in policies
         )
+        self.grammar: Grammar | None = None  # what generations follow unless they say
 
     def start(
         self,
@@ -95,9 +102,13 @@ class Decoder:
         stats: Stats,
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
+        grammar: Grammar | None = None,
     ) -> Generation:
         """A generation from `prompt`, its first `step` to come (see generate)."""
-        return Generation(self, prompt, n_predict, rng, stats, sampling or self.sampling, logprobs)
+        grammar = grammar or self.grammar
+        return Generation(
+            self, prompt, n_predict, rng, stats, sampling or self.sampling, logprobs, grammar
+        )
 
     def generate(
         self,
@@ -107,18 +118,20 @@ class Decoder:
         stats: Stats,
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[Round]:
         """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
         (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
         `sampling`: this generation's settings (None: the decoder's own), for the target
         and the drafter alike, so that one decoder serves requests that sample differently.
         `logprobs`: what each round reports of its tokens' log-probabilities (None: nothing).
+        `grammar`: the constraint the output follows (None: none; see grammar.py).
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
         Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
         This is `step` with one generation: the loop every slot of a server runs too.
         """
-        generation = self.start(prompt, n_predict, rng, stats, sampling, logprobs)
+        generation = self.start(prompt, n_predict, rng, stats, sampling, logprobs, grammar)
         try:
             while not generation.finished:
                 step([generation])
@@ -150,15 +163,51 @@ class Decoder:
         chances: list[float] | None = None,
         noise: Noise | None = None,
         position: int = 0,
+        constraint: Constraint | None = None,
     ) -> tuple[list[int], int]:
         """The accepted path (draft indices) and the next token. Row 0 of the target's
         logits follows the context, row j + 1 draft token j. `chances`: see
         verify_tree_sampled (sampling only). `noise`: coupled sampling's, and `position`
-        the place in the text of the token row 0 chooses."""
+        the place in the text of the token row 0 chooses. `constraint`: the grammar's
+        matcher, whose mask each row's distribution is taken under (see grammar.py)."""
         logits = self.target.logits
         parents = draft.parent_list()
+        if constraint is None:
+            return self._verify(draft, parents, logits, rng, sampling, chances, noise, position)
+        masks = PathMasks(constraint, draft.tokens, parents)
+
+        def masked(row: int) -> np.ndarray:
+            allowed = masks.allowed(row)
+            return logits(row) if allowed is None else constraint.mask(logits(row), allowed)
+
+        def argmax(row: int) -> int:
+            allowed = masks.allowed(row)
+            values = logits(row)
+            return int(np.argmax(values)) if allowed is None else constraint.argmax(values, allowed)
+
+        try:
+            return self._verify(
+                draft, parents, masked, rng, sampling, chances, noise, position, argmax
+            )
+        finally:
+            masks.close()
+
+    def _verify(
+        self,
+        draft: Draft,
+        parents: list[int],
+        logits: Callable[[int], np.ndarray],
+        rng: np.random.Generator,
+        sampling: SamplingParams,
+        chances: list[float] | None,
+        noise: Noise | None,
+        position: int,
+        argmax: Callable[[int], int] | None = None,
+    ) -> tuple[list[int], int]:
+        """verify, with each row's logits (and its argmax) read through `logits`."""
         if sampling.greedy:
-            return verify_tree_greedy(draft.tokens, parents, lambda i: int(np.argmax(logits(i))))
+            choose = argmax or (lambda i: int(np.argmax(logits(i))))
+            return verify_tree_greedy(draft.tokens, parents, choose)
         if noise is not None:  # the target's draw at each row is fixed: a match, as greedy
             depths = [0, *(d + 1 for d in draft.depths())]
 
@@ -346,9 +395,12 @@ class Generation:
         stats: Stats,
         sampling: SamplingParams,
         logprobs: LogprobOptions | None = None,
+        grammar: Grammar | None = None,
     ) -> None:
         target = decoder.target
         check_prompt(prompt, target.n_ctx)
+        # The grammar's matcher, at the start of the output (see grammar.py)
+        self.constraint = grammar.start(target.model) if grammar is not None else None
         self.decoder, self.prompt, self.rng, self.stats = decoder, prompt, rng, stats
         self.sampling = sampling
         self.logprobs = logprobs  # None: no work per token for them
@@ -446,15 +498,56 @@ class Generation:
         """This round's draft, as the plan has it (see draft_together); None: none."""
         decoder, tree, k = self.decoder, self.decoder.tree, plan.k
         self._draft_start = _decode_seconds(self._draft_ctx)
+        constraint = self.constraint
+        model = _grammar_drafter(decoder.drafter)
+        if model is not None:
+            model.constraint = None
+        if constraint is not None and decoder.drafter and plan.chosen and plan.limit > 0:
+            # What the grammar forces is drafted as it is, certain, without a draft call.
+            forced = constraint.forced()[: plan.limit]
+            if forced:
+                return self._forced(forced)
         if not decoder.drafter or k == 0:
             return None
         # A rejection-sampled round's shape decides which random numbers go where: it is
         # shaped as alone, so that a seed gives the same text beside any neighbours.
         beside = plan.beside if self.sampling.draft_invariant else 0
-        shape = tree.shape(k, plan.limit, beside) if tree else None
+        # Under a grammar, chains: each draft token is drawn under the grammar's mask,
+        # tried in the matcher for the next (stage_round takes them back).
+        shape = tree.shape(k, plan.limit, beside) if tree and constraint is None else None
+        if model is not None:
+            model.constraint = constraint
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
         return decoder.drafter.drafting(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+
+    def _forced(self, tokens: list[int]) -> DraftSteps:
+        """A draft of the tokens the grammar forces: each at probability 1 (the masked
+        target gives it all its mass), no draft model call."""
+        yield from ()
+        dists = [] if self.sampling.draft_invariant else [Dist.point(t) for t in tokens]
+        return Draft(tokens=list(tokens), dists=dists, source=FORCED)
+
+    def _under_grammar(self, draft: Draft) -> Draft:
+        """The draft as the target's masks will see it: a lookup's guesses (or any
+        draft of a text no draft changes) cut at the first token the grammar forbids,
+        which the target would reject. A rejection-sampled model draft is never cut: its
+        tokens must stand as drawn (and they were drawn under the mask, see drafting)."""
+        constraint = self.constraint
+        assert constraint is not None
+        constraint.undo()  # the tokens tried while drafting
+        deterministic = draft.source in LOOKUPS or self.sampling.draft_invariant
+        if draft.parents is not None or not draft.tokens or not deterministic:
+            return draft
+        n = constraint.valid_prefix(draft.tokens)
+        if n == len(draft.tokens):
+            return draft
+        return replace(
+            draft,
+            tokens=draft.tokens[:n],
+            dists=draft.dists[:n],
+            confidences=draft.confidences[:n],
+        )
 
     def _repeating(self) -> bool:
         """Whether the text repeats itself verbatim (the lookup's first source): such
@@ -465,6 +558,8 @@ class Generation:
     def stage_round(self, plan: Plan, draft: Draft) -> None:
         """Stage the verification batch: the unseen tokens, then the draft."""
         target = self.decoder.target
+        if self.constraint is not None:
+            draft = self._under_grammar(draft)
         self._verify_start = target.decode_seconds
         target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
         # One pass over the unseen tokens and every draft token: row 0 of its
@@ -485,7 +580,7 @@ class Generation:
         chances: list[float] | None = [] if sampled_chain else None
         position = len(self.tokens)
         path, next_token = decoder.verify(
-            draft, self.rng, self.sampling, chances, self.noise, position
+            draft, self.rng, self.sampling, chances, self.noise, position, self.constraint
         )
         logprobs = None if self.logprobs is None else self._logprobs(draft, path, next_token)
         n_accepted = len(path)
@@ -503,7 +598,7 @@ class Generation:
         else:  # k decides which random numbers go where: a seed must reproduce (and a
             # shared decode call's time is no one round's)
             draft_seconds = verify_seconds = other_seconds = None
-        if plan.chosen:
+        if plan.chosen and draft.source != FORCED:
             plan.length.observe(
                 draft,
                 n_accepted,
@@ -513,7 +608,7 @@ class Generation:
                 beside=beside,
                 chances=chances or (),
             )
-            if decoder.tree:
+            if decoder.tree and self.constraint is None:
                 decoder.tree.observe(draft, path)
 
         new = [*(draft.tokens[i] for i in path), next_token]
@@ -521,6 +616,8 @@ class Generation:
         if eog is not None:
             new = new[:eog]
             stats.stop_reason = "eos"
+        if self.constraint is not None:
+            self.constraint.advance(new)
         n_batch = len(plan.unseen) - plan.prompt + len(draft.tokens)
         stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
         self.tokens += new
@@ -564,6 +661,14 @@ class Generation:
         stats.draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_before
         if self._draft_ctx:
             stats.draft_calls = self._draft_ctx.decode_calls - self._draft_calls_before
+
+
+def _grammar_drafter(drafter: Drafter | None) -> ModelDrafter | None:
+    """The drafter's model (or head) that draws in the target's vocabulary: the one that
+    may draw under the grammar's mask (a translated draft draws in its own)."""
+    if isinstance(drafter, LookupThenModel):
+        drafter = drafter.model
+    return drafter if isinstance(drafter, ModelDrafter) else None
 
 
 def _batch_parents(n_unseen: int, parents: list[int] | None) -> list[int] | None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -28,6 +28,9 @@ from specdec_cli.decoding.sampling import (
     distribution,
 )
 from specdec_cli.llamacpp.llama import Context
+
+if TYPE_CHECKING:
+    from specdec_cli.decoding.grammar import Constraint
 from specdec_cli.llamacpp.rowexp import exp_sum
 
 
@@ -221,6 +224,9 @@ class ModelDrafter:
         # target's lacks (see translate.py). q is then renormalised over the rest.
         self.banned: np.ndarray | None = None
         self.noise: Noise | None = None
+        # A chain's grammar (set for the round by the decode loop, see grammar.py): each
+        # token is chosen from the masked row and tried in it, so the next is masked after it.
+        self.constraint: Constraint | None = None
 
     def begin(
         self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
@@ -308,7 +314,26 @@ class ModelDrafter:
         top of the distribution it is drawn from, never of the token drawn: whether a
         drawn token is kept must not depend on which token it is, or the kept drafts
         would no longer follow their q.
+
+        Under a grammar (`constraint`, chains only) the row is masked first, as the
+        target's is, and the chosen token tried in the matcher.
         """
+        constraint = self.constraint
+        if constraint is None or n != 1:
+            return self._children(logits, rng, n, need_confidence, position)
+        logits = constraint.mask(logits, constraint.allowed())
+        ids, probs, dists = self._children(logits, rng, n, need_confidence, position)
+        constraint.push(ids[0])
+        return ids, probs, dists
+
+    def _children(
+        self,
+        logits: np.ndarray,
+        rng: np.random.Generator,
+        n: int,
+        need_confidence: bool,
+        position: int = 0,
+    ) -> tuple[list[int], list[float], list[Dist | None]]:
         if self.sampling.greedy:
             token = int(np.argmax(logits))
             if n == 1:

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from specdec_cli.decoding.decode import Decoder, check_prompt
+from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.loading import LoadedModels
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.pieces import Piece, PieceStream
@@ -17,6 +18,7 @@ from specdec_cli.decoding.policy import Policy
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import EngineOptions, drafter_kind
 from specdec_cli.decoding.stats import Stats
+from specdec_cli.errors import UserError
 from specdec_cli.models.chat import (
     ChatFormat,
     ChatOptions,
@@ -35,6 +37,12 @@ class Engine(LoadedModels):
         """`notify` hears of slow one-time work (measuring costs), for the user."""
         super().__init__(options, notify)
         self.policy = Policy(self)
+        if options.grammar is not None:
+            try:
+                options.grammar.check(self.model)
+            except UserError:
+                self.close()
+                raise
 
     @cached_property
     def decoders(self) -> list[Decoder]:
@@ -52,8 +60,11 @@ class Engine(LoadedModels):
     def make_decoder(
         self, kind: str | None, k: str, tree: str | None = None, slot: int = 0
     ) -> Decoder:
-        """See Policy.decoder."""
-        return self.policy.decoder(kind, k, tree, slot)
+        """See Policy.decoder; its generations follow the options' grammar unless they
+        bring their own."""
+        decoder = self.policy.decoder(kind, k, tree, slot)
+        decoder.grammar = self.options.grammar
+        return decoder
 
     def fits_tree(self, tree: str) -> bool:
         return self.policy.fits_tree(tree)
@@ -98,15 +109,16 @@ class Engine(LoadedModels):
         decoder: Decoder | None = None,
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
+        grammar: Grammar | None = None,
     ) -> Iterator[Piece]:
         """Yield one Piece per generated token, saying who proposed it, and a last one
         (token None) for text held back until the end. `sampling`: this generation's
         (None: the options'); `logprobs`: what the pieces carry of the tokens'
-        log-probabilities (None: nothing)."""
+        log-probabilities (None: nothing); `grammar`: what the output must follow."""
         stream = PieceStream(self.model, stop)
         stats.flash_attn = self.flash_attn
         rounds = (decoder or self.decoder).generate(
-            prompt, n_predict, rng, stats, sampling, logprobs
+            prompt, n_predict, rng, stats, sampling, logprobs, grammar
         )
         try:
             for new in rounds:

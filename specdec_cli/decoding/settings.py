@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import ModelParams
@@ -65,6 +66,9 @@ class EngineOptions:
     verbose: bool = False
     sampling: SamplingParams = field(default_factory=SamplingParams)
     drafting: DraftOptions = field(default_factory=DraftOptions)
+    # What every generation's output follows (run and bench: --grammar, --json-schema);
+    # None: nothing. A server's requests bring their own (see Decoder.start).
+    grammar: Grammar | None = None
 
 
 def drafter_kind(model: bool, ngram: bool | None, head: bool = False) -> str | None:

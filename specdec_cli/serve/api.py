@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
@@ -115,6 +116,9 @@ class GenerationRequest:
     # Variables for the chat template, over the server's --chat-template-kwargs
     # (llama-server's field, e.g. {"enable_thinking": false})
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # What the output follows: response_format's JSON object or schema, or llama-server's
+    # "grammar" (GBNF) or "json_schema" (see decoding/grammar.py); None: nothing.
+    grammar: Grammar | None = None
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
@@ -163,6 +167,7 @@ def parse_request(
         include_usage=include_usage,
         speculation=_speculation(body),
         logprobs=_logprobs(body, chat),
+        grammar=_grammar(body),
     )
     if chat:
         tools = _tools(body)
@@ -201,12 +206,55 @@ def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
     for name in ("presence_penalty", "frequency_penalty"):
         if _optional(body, name, float):
             raise ApiError(f"{name} is not supported by specdec serve (leave it 0)", param=name)
+
+
+def _grammar(body: dict[str, object]) -> Grammar | None:
+    """OpenAI's response_format ({"type": "json_object"}, or "json_schema" with its
+    {"name", "schema", "strict"}), or llama-server's "grammar" (GBNF) or "json_schema" (a
+    schema): at most one. The schema is checked against the vocabulary later (see
+    Service.prompt_tokens); here, that it parses."""
+    given: list[tuple[str, Any]] = []
     response_format = _optional(body, "response_format", dict)
-    if response_format is not None and response_format.get("type", "text") != "text":
+    kind = response_format.get("type", "text") if response_format is not None else "text"
+    if kind == "json_object":
+        # llama-server takes a "schema" beside it too
+        schema = response_format.get("schema") if response_format else None
+        given.append(("response_format", schema))
+    elif kind == "json_schema":
+        spec = response_format.get("json_schema") if response_format else None
+        if not isinstance(spec, dict):
+            raise ApiError(
+                'response_format json_schema needs "json_schema": {"name": ..., "schema": {...}}',
+                param="response_format",
+            )
+        given.append(("response_format", spec.get("schema", {"type": "object"})))
+    elif kind != "text":
         raise ApiError(
-            "response_format other than text (JSON mode, schemas) is not supported",
+            f"response_format type must be text, json_object or json_schema (got {kind!r})",
             param="response_format",
         )
+    if body.get("json_schema") is not None:
+        given.append(("json_schema", body["json_schema"]))
+    if body.get("grammar") is not None:
+        given.append(("grammar", body["grammar"]))
+    if not given:
+        return None
+    if len(given) > 1:
+        names = " and ".join(name for name, _ in given)
+        raise ApiError(f"give one of {names}, not both", param=given[1][0])
+    name, value = given[0]
+    try:
+        if name == "grammar":
+            if not isinstance(value, str):
+                raise ApiError("grammar must be a string (GBNF)", param=name)
+            return Grammar.gbnf(value)
+        if value is None:
+            return Grammar.json_object()
+        if not isinstance(value, dict | bool):
+            raise ApiError("the JSON schema must be a JSON object", param=name)
+        return Grammar.json_schema(value)
+    except UserError as err:
+        raise ApiError(str(err), param=name) from None
 
 
 def _max_tokens(body: dict[str, object], chat: bool) -> int:

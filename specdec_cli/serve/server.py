@@ -277,7 +277,13 @@ class Service:
         decoder = self._decoder(request.speculation, slot)
         rng = np.random.default_rng(job.seed)
         generation = decoder.start(
-            job.prompt, request.max_tokens, rng, stats, request.sampling, request.logprobs
+            job.prompt,
+            request.max_tokens,
+            rng,
+            stats,
+            request.sampling,
+            request.logprobs,
+            request.grammar,
         )
 
         def emit(piece: Piece) -> None:
@@ -425,6 +431,8 @@ class Service:
                 )
         else:
             tokens = self.engine.tokenize(request.text or "")
+        if request.grammar is not None:  # UserError: what llguidance finds wrong in it
+            request.grammar.check(model)
         n_ctx = self.engine.slots[0].n_ctx  # each slot's share of -c
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")

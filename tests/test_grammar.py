@@ -1,0 +1,330 @@
+"""Grammars and JSON schemas: the output follows them, and speculation changes nothing of
+it (greedy token for token, sampled in distribution), while forced tokens are drafted
+for free."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+from scipy.stats import chi2_contingency
+from test_cli_run import assert_user_error, specdec
+from test_decode import PROMPT, REPEATING_PROMPT, contingency, open_engine
+
+from specdec_cli.decoding import decode
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.sampling import GREEDY, SamplingParams
+from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.errors import UserError
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "count": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+# Long fixed keys: most of the text is forced.
+FORCED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "the_first_long_fixed_key_name": {"type": "integer", "minimum": 0, "maximum": 99},
+        "and_another_long_fixed_key_name": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["the_first_long_fixed_key_name", "and_another_long_fixed_key_name"],
+    "additionalProperties": False,
+}
+# No "r": the target's favourite first token after REPEATING_PROMPT (" ran") is forbidden.
+NO_R = "root ::= [a-qs-z ]+"
+N_PREDICT = 96
+
+
+def run(
+    engine: Engine,
+    decoder: Decoder,
+    grammar: Grammar | None,
+    prompt: str = PROMPT,
+    n: int = N_PREDICT,
+    seed: int = 0,
+) -> tuple[list[int], Stats]:
+    stats, out = Stats(), []
+    rng = np.random.default_rng(seed)
+    tokens = engine.tokenize(prompt)
+    for new in decoder.generate(tokens, n, rng, stats, grammar=grammar):
+        out += new.tokens
+    return out, stats
+
+
+def text(engine: Engine, tokens: list[int]) -> str:
+    return b"".join(engine.model.piece(t) for t in tokens).decode()
+
+
+@pytest.fixture(scope="module")
+def schema_reference(target_model: Path) -> tuple[list[int], str]:
+    """Target-only constrained greedy: the tokens and the text."""
+    with open_engine(target_model) as engine:
+        out, stats = run(engine, engine.decoder, Grammar.json_schema(SCHEMA))
+        assert stats.stop_reason == "eos"  # the grammar ran to its end
+        return out, text(engine, out)
+
+
+def test_the_mask_changes_the_greedy_output(target_model: Path, schema_reference) -> None:
+    with open_engine(target_model) as engine:
+        free, _ = run(engine, engine.decoder, None)
+    assert free[: len(schema_reference[0])] != schema_reference[0]
+    with pytest.raises(ValueError):
+        json.loads(text(engine, free))
+
+
+def test_target_only_output_follows_the_schema(schema_reference) -> None:
+    jsonschema.validate(json.loads(schema_reference[1]), SCHEMA)
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+@pytest.mark.parametrize("k", ["1", "3"])
+def test_greedy_speculative_equals_constrained_target_only(
+    target_model: Path, draft_model: Path, schema_reference, drafter: str, k: str
+) -> None:
+    with open_engine(target_model, draft_model, k, tree="off") as engine:
+        out, stats = run(engine, engine.make_decoder(drafter, k), Grammar.json_schema(SCHEMA))
+        assert out == schema_reference[0]
+        jsonschema.validate(json.loads(text(engine, out)), SCHEMA)
+    assert stats.proposed_by[drafter] > 0  # the drafter drafted, not only the grammar
+
+
+def test_greedy_with_a_tree_setting_drafts_chains(
+    target_model: Path, draft_model: Path, schema_reference
+) -> None:
+    with open_engine(target_model, draft_model, 3, tree="8") as engine:
+        decoder = engine.make_decoder("model+ngram", "3")
+        out, stats = run(engine, decoder, Grammar.json_schema(SCHEMA))
+    assert out == schema_reference[0]
+    assert stats.accepted_beside == 0
+
+
+def test_gbnf_grammar_through_the_engine_options(target_model: Path, draft_model: Path) -> None:
+    grammar = Grammar.gbnf('root ::= ("yes" | "no") (" " ("yes" | "no"))*')
+    with open_engine(target_model) as engine:
+        reference, _ = run(engine, engine.decoder, grammar, n=24)
+    options = EngineOptions(
+        target=target_model, draft=draft_model, threads=1, sampling=GREEDY, grammar=grammar
+    )
+    with Engine(options) as engine:
+        out, _ = run(engine, engine.make_decoder("model", "3"), None, n=24)
+        words = text(engine, out).split()
+    assert out == reference
+    assert words and set(words) <= {"yes", "no"}
+
+
+@pytest.mark.parametrize("drafter", ["model", "ngram"])
+def test_forced_tokens_are_drafted_without_draft_calls(
+    target_model: Path, draft_model: Path, drafter: str
+) -> None:
+    grammar = Grammar.json_schema(FORCED_SCHEMA)
+    with open_engine(target_model) as engine:
+        reference, alone = run(engine, engine.decoder, grammar)
+    with open_engine(target_model, draft_model, 1, tree="off") as engine:
+        out, stats = run(engine, engine.make_decoder(drafter, "1"), grammar)
+        jsonschema.validate(json.loads(text(engine, out)), FORCED_SCHEMA)
+    assert out == reference
+    # Both keys' letters: certain, all accepted, and no draft model call made for them.
+    assert stats.proposed_by["grammar"] >= 40
+    assert stats.accepted_by["grammar"] == stats.proposed_by["grammar"]
+    assert stats.drafted > 4 * stats.draft_calls
+    assert stats.target_passes * 4 < alone.target_passes
+
+
+SAMPLING = SamplingParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0)
+N_RUNS = 1500
+N_FIRST = 3
+
+
+def first_tokens(engine: Engine, decoder: Decoder, grammar: Grammar | None, seeds: range):
+    rows = [run(engine, decoder, grammar, REPEATING_PROMPT, N_FIRST, seed)[0] for seed in seeds]
+    return np.array(rows)
+
+
+@pytest.fixture(scope="module")
+def constrained_baseline(target_model: Path) -> np.ndarray:
+    with open_engine(target_model, sampling=SAMPLING) as engine:
+        return first_tokens(engine, engine.decoder, Grammar.gbnf(NO_R), range(N_RUNS))
+
+
+def alike(a: np.ndarray, b: np.ndarray) -> list[float]:
+    """The chi-square p-value of each of the first tokens' positions."""
+    return [chi2_contingency(contingency(a[:, i], b[:, i])).pvalue for i in range(N_FIRST)]
+
+
+@pytest.mark.parametrize(("drafter", "k"), [("model", "3"), ("ngram", "3"), ("model", "1")])
+def test_sampled_speculative_matches_constrained_target(
+    target_model: Path, draft_model: Path, constrained_baseline: np.ndarray, drafter: str, k: str
+) -> None:
+    grammar = Grammar.gbnf(NO_R)
+    seeds = range(N_RUNS, 2 * N_RUNS)
+    with open_engine(target_model, draft_model, k, SAMPLING, tree="off") as engine:
+        decoder = engine.make_decoder(drafter, k)
+        speculative = first_tokens(engine, decoder, grammar, seeds)
+        _, stats = run(engine, decoder, grammar, REPEATING_PROMPT, 64)
+    assert 0.0 < stats.acceptance_rate < 1.0
+    assert not any("r" in text(engine, list(row)) for row in speculative)
+    assert contingency(constrained_baseline[:, 0], speculative[:, 0]).shape[1] > 3
+    assert min(alike(constrained_baseline, speculative)) > 1e-3
+
+
+def test_unconstrained_sampling_is_told_apart(
+    target_model: Path, constrained_baseline: np.ndarray
+) -> None:
+    """The negative control: the test above can see a distribution that is not the
+    constrained one."""
+    with open_engine(target_model, sampling=SAMPLING) as engine:
+        free = first_tokens(engine, engine.decoder, None, range(N_RUNS, 2 * N_RUNS))
+    assert alike(constrained_baseline, free)[0] < 1e-6
+
+
+def test_cutting_sampled_drafts_at_a_forbidden_token_is_told_apart(
+    target_model: Path,
+    draft_model: Path,
+    constrained_baseline: np.ndarray,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The other negative control: a draft model that draws without the mask, its drafts
+    cut at the first forbidden token (as a lookup's are), biases the text."""
+    monkeypatch.setattr(decode, "_grammar_drafter", lambda drafter: None)
+    monkeypatch.setattr(decode, "LOOKUPS", (*decode.LOOKUPS, "model"))
+    with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
+        decoder = engine.make_decoder("model", "3")
+        cut = first_tokens(engine, decoder, Grammar.gbnf(NO_R), range(N_RUNS, 2 * N_RUNS))
+    assert min(alike(constrained_baseline, cut)) < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("make", "words"),
+    [
+        (lambda: Grammar.json_schema('{"type": "object",'), ["not JSON"]),
+        (lambda: Grammar.json_schema("[1, 2]"), ["JSON object"]),
+        (lambda: Grammar.gbnf("root ::= foo"), ["foo"]),
+        (lambda: Grammar.gbnf(""), ["empty"]),
+    ],
+)
+def test_bad_grammars_are_one_line(make, words: list[str]) -> None:
+    with pytest.raises(UserError) as error:
+        make()
+    message = str(error.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message
+
+
+def test_a_schema_llguidance_refuses_is_said_at_load(target_model: Path) -> None:
+    with pytest.raises(UserError, match="Invalid type"):
+        Grammar.json_schema('{"type": "objectx"}').check(open_model(target_model))
+
+
+def open_model(path: Path):
+    from specdec_cli.llamacpp.llama import Model, init_backend
+
+    init_backend()
+    return Model(path, vocab_only=True)
+
+
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["-j", '{"type": "object",'], ["JSON schema", "not JSON"]),
+        (["--json-schema", '{"type": "objectx"}'], ["JSON schema", "objectx"]),
+        (["--grammar", "root ::= foo"], ["grammar", "foo"]),
+        (["--grammar", "root ::= x", "-j", "{}"], ["--grammar", "--json-schema"]),
+        (["--json-schema-file", "/nonexistent/schema.json"], ["cannot read"]),
+    ],
+)
+def test_cli_bad_schema_or_grammar_exits_2_in_one_line(
+    target_model: Path, flags: list[str], words: list[str]
+) -> None:
+    result = specdec("run", "-m", str(target_model), "-p", "Hi", "-n", "4", *flags)
+    assert_user_error(result, *words)
+
+
+def test_cli_json_schema_file(target_model: Path, draft_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(SCHEMA))
+    args = ["-m", str(target_model), "-d", str(draft_model), "-p", PROMPT, "--temp", "0"]
+    result = specdec("run", *args, "-n", "96", "-t", "1", "--json-schema-file", str(path))
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def grammar_server(tmp_path_factory: pytest.TempPathFactory, target_model: Path, draft_model: Path):
+    from test_server import start
+
+    args = ["-m", str(target_model), "-d", str(draft_model), "--chat-template", "chatml"]
+    proc = start(tmp_path_factory.mktemp("serve-grammar"), *args, "-np", "2", "--temp", "0")
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def test_serve_response_format_json_schema(grammar_server) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{grammar_server.url}/v1", api_key="x", max_retries=0)
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": SCHEMA, "strict": True}}
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model="t",
+            messages=[{"role": "user", "content": "Say something"}],
+            max_tokens=N_PREDICT,
+            response_format=fmt,  # type: ignore[arg-type]
+            stream=stream,
+        )
+        if stream:
+            content = "".join(chunk.choices[0].delta.content or "" for chunk in reply)
+        else:
+            content = reply.choices[0].message.content or ""
+        jsonschema.validate(json.loads(content), SCHEMA)
+
+
+def test_serve_llama_server_fields_and_json_object(grammar_server, target_model: Path) -> None:
+    import httpx
+
+    grammar = Grammar.gbnf('root ::= ("yes" | "no") (" " ("yes" | "no"))*')
+    with open_engine(target_model) as engine:
+        reference = text(engine, run(engine, engine.decoder, grammar, n=12)[0])
+    url = f"{grammar_server.url}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+    reply = httpx.post(url, json={**body, "grammar": grammar.text}, timeout=60).json()
+    assert reply["choices"][0]["text"] == reference
+    reply = httpx.post(url, json={**body, "max_tokens": 96, "json_schema": SCHEMA}, timeout=60)
+    jsonschema.validate(json.loads(reply.json()["choices"][0]["text"]), SCHEMA)
+    fmt = {"type": "json_object"}
+    reply = httpx.post(url, json={**body, "max_tokens": 200, "response_format": fmt}, timeout=60)
+    assert reply.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "yaml"}},
+        {"json_schema": '{"type": "object",'},
+        {"grammar": "root ::= foo"},
+        {"grammar": 5},
+        {"grammar": 'root ::= "a"', "json_schema": {}},
+    ],
+)
+def test_serve_bad_grammars_are_400_in_one_line(grammar_server, fields: dict) -> None:
+    import httpx
+
+    body = {"prompt": PROMPT, "max_tokens": 4, **fields}
+    reply = httpx.post(f"{grammar_server.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    message = reply.json()["error"]["message"]
+    assert message and "\n" not in message
