@@ -905,3 +905,72 @@ def write_mtp_known_answer(
     )
     write_gguf(path, metadata, tensors)
     return KnownAnswer(succ, good, n_embd, token_embd, eh_proj, head)
+
+
+@dataclass(frozen=True)
+class Eagle3KnownAnswer:
+    """The tables of a target and EAGLE-3 head pair whose drafts are known in advance (see
+    write_eagle3_known_answer)."""
+
+    succ: np.ndarray  # the target's next token after each token
+    answer: np.ndarray  # what the head drafts after reading token t's state
+
+
+def write_eagle3_known_answer(
+    folder: Path, vocab: Vocab, seed: int, good_fraction: float = 0.75
+) -> tuple[Path, Path, Eagle3KnownAnswer]:
+    """A llama target and an EAGLE-3 head for it whose answers follow from tables:
+
+    - the target: one-hot embeddings (token t in dimension t) and blocks that add nothing,
+      so every layer's input at a position is that position's token; its output maps t to
+      succ(t), a cycle through the text pieces: greedy, it writes the cycle;
+    - the head (target_layers 0, 1 and 2, the last the final state): its encoder passes
+      layer 0's input on, so at position p its state is the token x_p; its block adds
+      nothing, and its output maps a good token a to succ(succ(a)), the token after the
+      one that follows (its row at p reads x_{p+1}), a bad one to succ(succ(succ(a))).
+      Its next step reads its own state, the same x_p, and drafts the same token again:
+      a round's first draft is right where x_p is good, its later ones never. Without
+      the target's states it drafts token 0. Its embeddings are the target's (ctx_other).
+    """
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocab)
+    n_embd = -(-n_vocab // 64) * 64
+    hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
+    cycle = rng.permutation(normal)
+    succ = np.full(n_vocab, cycle[0])
+    succ[cycle] = np.roll(cycle, -1)
+    good = rng.random(n_vocab) < good_fraction
+    answer = np.where(good, succ[succ], succ[succ[succ]])
+    ids = np.arange(n_vocab)
+    target = llama_tensors(hp, vocab, seed)
+    target["token_embd.weight"] = np.eye(n_vocab, n_embd, dtype=np.float32)
+    for layer in range(hp.n_layer):
+        target[f"blk.{layer}.attn_output.weight"][:] = 0.0
+        target[f"blk.{layer}.ffn_down.weight"][:] = 0.0
+    target["output.weight"] = np.zeros((n_vocab, n_embd), np.float32)
+    target["output.weight"][succ, ids] = 1.0
+    target_path = write_gguf(folder / "target.gguf", llama_metadata(hp, vocab), target)
+    fc = np.zeros((n_embd, 3 * n_embd), np.float32)
+    fc[:, :n_embd] = np.eye(n_embd, dtype=np.float32)  # layer 0's input passed on
+    block = llama_block(rng, 0, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, out_scale=0.0)
+    block = {name: w for name, w in block.items() if "attn_" in name or "ffn_" in name}
+    block["blk.0.attn_norm_2.weight"] = np.ones(n_embd, dtype=np.float32)
+    for name in ("attn_q", "attn_k", "attn_v"):  # they read [embedding, state]
+        w = block[f"blk.0.{name}.weight"]
+        block[f"blk.0.{name}.weight"] = np.concatenate([w, w], axis=1)
+    output = np.zeros((n_vocab, n_embd), np.float32)
+    output[answer, ids] = 1.0
+    head = {
+        "fc.weight": fc,
+        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output.weight": output,
+        **block,
+    }
+    keys = llama_keys(HParams(n_embd=n_embd, n_layer=1, n_head=4, n_head_kv=4, n_ff=64))
+    keys = {k.removeprefix("llama."): v for k, v in keys.items() if k.startswith("llama.")}
+    keys["target_layers"] = GGUFValue([0, 1, 2], GGUFValueType.ARRAY, GGUFValueType.INT32)
+    keys["target_hidden_size"] = _u32(n_embd)
+    metadata = with_architecture(llama_metadata(hp, vocab), "eagle3", keys)
+    head_path = write_gguf(folder / "eagle3.gguf", metadata, head)
+    return target_path, head_path, Eagle3KnownAnswer(succ, answer)

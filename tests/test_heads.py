@@ -9,11 +9,21 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ggufgen import KnownAnswer, Qwen35Params, spm_vocab, write_mtp_known_answer, write_qwen35_model
+from ggufgen import (
+    Eagle3KnownAnswer,
+    KnownAnswer,
+    Qwen35Params,
+    spm_vocab,
+    write_eagle3_known_answer,
+    write_mtp_known_answer,
+    write_qwen35_model,
+)
 from scipy.stats import chi2_contingency
 from test_decode import N_FIRST, PROMPT, SAMPLING, contingency, first_tokens
 
@@ -298,18 +308,25 @@ def head_drafts(ka: KnownAnswer, tokens: list[int], k: int) -> list[int]:
     return drafts
 
 
-def expected_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tuple[int, int]:
+Drafts = Callable[[list[int], int], list[int]]  # a head's chain after tokens, k long
+
+
+def expected_rounds(
+    succ: np.ndarray, drafts: Drafts, prompt: list[int], n: int, k: int, stats: Stats
+) -> tuple[int, int]:
     """(drafted, accepted) of a greedy generation of n tokens at draft length k, as the
-    decode loop runs it: its first token comes with the prompt, undrafted; each round
-    drafts at most one token fewer than are still to come."""
-    tokens = [*prompt, int(ka.succ[prompt[-1]])]
+    decode loop runs it: its first token comes with the prompt, undrafted, where the
+    prompt's end was read with the first round (`stats.with_prompt`; a prompt read in a
+    call of its own drafts from the first round); each round drafts at most one token
+    fewer than are still to come."""
+    tokens = [*prompt, int(succ[prompt[-1]])] if stats.with_prompt else list(prompt)
     drafted = accepted = 0
     while len(tokens) - len(prompt) < n:
         room = n - (len(tokens) - len(prompt))
-        draft = head_drafts(ka, tokens, min(k, room - 1)) if room > 1 else []
-        truth = [int(ka.succ[tokens[-1]])]
+        draft = drafts(tokens, min(k, room - 1)) if room > 1 else []
+        truth = [int(succ[tokens[-1]])]
         while len(truth) <= len(draft):  # the target's answers, one past the draft
-            truth.append(int(ka.succ[truth[-1]]))
+            truth.append(int(succ[truth[-1]]))
         taken = next(
             (i for i, (d, t) in enumerate(zip(draft, truth[:-1], strict=True)) if d != t),
             len(draft),
@@ -329,7 +346,7 @@ def test_known_answer_acceptance_follows_from_the_tables(known_answer, k: int) -
         out, stats = generate(engine, n=48)
     tokens = [*prompt, *out]
     assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
-    drafted, accepted = expected_rounds(ka, prompt, 48, k)
+    drafted, accepted = expected_rounds(ka.succ, partial(head_drafts, ka), prompt, 48, k, stats)
     assert (stats.drafted, stats.accepted) == (drafted, accepted)
     assert 0 < accepted < drafted
 
@@ -354,7 +371,7 @@ def test_info_and_check_say_what_the_head_reads(mtp_model: Path, target_model: P
     check = run_cli("check", "-m", str(mtp_model), "-d", "mtp", "--json")
     assert check.returncode == 0, check.stderr
     record = json.loads(check.stdout)
-    assert (record["method"], record["heads"], record["reads_layer"]) == ("mtp", 1, 1)
+    assert (record["method"], record["heads"], record["reads_layers"]) == ("mtp", 1, [1])
     refused = run_cli("check", "-m", str(target_model), "-d", "mtp")
     assert refused.returncode == 1
     assert "has no MTP layers" in refused.stdout
@@ -380,10 +397,12 @@ def test_an_impossible_head_is_refused_in_one_line(
 def test_a_head_refuses_a_tree(mtp_model: Path) -> None:
     result = run_cli("run", "-m", str(mtp_model), "--tree", "8", "-p", "Once", "-n", "4")
     assert result.returncode == 2
-    assert "an MTP head drafts chains" in result.stderr
+    assert "a drafting head drafts chains" in result.stderr
 
 
-def llama_cpp_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tuple[int, int]:
+def llama_cpp_rounds(
+    succ: np.ndarray, drafts: Drafts, prompt: list[int], n: int, k: int
+) -> tuple[int, int]:
     """(n_drafted, n_accept) that llama.cpp's llama-speculative-simple reports for a greedy
     run of -n n at --spec-draft-n-max k, from the tables and its loop: it drafts from the
     first round on and stops once it has more than n tokens. Each draft is cut to the
@@ -392,10 +411,10 @@ def llama_cpp_rounds(ka: KnownAnswer, prompt: list[int], n: int, k: int) -> tupl
     tokens, n_predict, drafted, accepted = list(prompt), 0, 0, 0
     while n_predict <= n:
         limit = min(k, n - n_predict - 1)
-        draft = head_drafts(ka, tokens, limit if limit > 0 else k)
-        truth = [int(ka.succ[tokens[-1]])]
+        draft = drafts(tokens, limit if limit > 0 else k)
+        truth = [int(succ[tokens[-1]])]
         while len(truth) <= len(draft):  # the target's answers, one past the draft
-            truth.append(int(ka.succ[truth[-1]]))
+            truth.append(int(succ[truth[-1]]))
         pairs = zip(draft, truth[:-1], strict=True)
         taken = next((i for i, (d, t) in enumerate(pairs) if d != t), len(draft))
         drafted, accepted = drafted + len(draft), accepted + taken
@@ -414,44 +433,111 @@ def llama_tools() -> Path:
     return tool
 
 
+def llama_cpp_counts(target: Path, k: int, *spec: str) -> tuple[int, int]:
+    """(n_drafted, n_accept) of llama.cpp's llama-speculative-simple, greedy, -n 48."""
+    command = [str(llama_tools()), "-m", str(target), *spec, "--spec-draft-n-max", str(k)]
+    command += ["-p", PROMPT, "-n", "48", "--temp", "0", "-t", "1", "-fa", "off", "-c", "256"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    reported = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", result.stderr))
+    return int(reported["n_drafted"]), int(reported["n_accept"])
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_llama_cpp_accepts_what_the_tables_say_too(known_answer, k: int) -> None:
     """llama.cpp's own MTP driver on the same file drafts what the tables say (and so
     what specdec drafts: test_known_answer_acceptance_follows_from_the_tables)."""
     path, ka = known_answer
-    tool = llama_tools()
-    result = subprocess.run(
-        [
-            str(tool),
-            "-m",
-            str(path),
-            "--spec-type",
-            "draft-mtp",
-            "--spec-draft-n-max",
-            str(k),
-            "-p",
-            PROMPT,
-            "-n",
-            "48",
-            "--temp",
-            "0",
-            "-t",
-            "1",
-            "-fa",
-            "off",
-            "-c",
-            "256",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    reported = dict(re.findall(r"(n_drafted|n_accept)\s*=\s*(\d+)", result.stderr))
+    counts = llama_cpp_counts(path, k, "--spec-type", "draft-mtp")
     with open_engine(path, k) as engine:
         prompt = engine.tokenize(PROMPT)
-    expected = llama_cpp_rounds(ka, prompt, 48, k)
-    assert (int(reported["n_drafted"]), int(reported["n_accept"])) == expected
+    assert counts == llama_cpp_rounds(ka.succ, partial(head_drafts, ka), prompt, 48, k)
+
+
+# EAGLE-3: a head file of its own, reading three of the target's layer inputs
+# (ggufgen.write_eagle3_known_answer: its drafts follow from tables too).
+
+
+@pytest.fixture(scope="module")
+def eagle3_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Eagle3KnownAnswer]:
+    return write_eagle3_known_answer(tmp_path_factory.mktemp("eagle3"), spm_vocab(), seed=5)
+
+
+def eagle3_drafts(ka: Eagle3KnownAnswer, tokens: list[int], k: int) -> list[int]:
+    """Its chain: the answer for the token before the last, k times (see the writer)."""
+    return [int(ka.answer[tokens[-2]])] * k if len(tokens) > 1 else []
+
+
+def open_eagle3(target: Path, head: Path, k: int | str, **options) -> Engine:
+    return Engine(
+        EngineOptions(
+            target=target,
+            draft=head,
+            ngram=False,
+            n_ctx=256,
+            threads=1,
+            flash_attn="off",
+            drafting=DraftOptions(k=str(k), tree="off"),
+            **options,
+        )
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_eagle3_drafts_what_its_tables_say(eagle3_pair, k: int) -> None:
+    """`-d EAGLE3.gguf` drafts through the target's layer inputs: the output is the
+    target's own cycle, and its acceptance what the tables say."""
+    target, head, ka = eagle3_pair
+    with open_eagle3(target, head, k) as engine:
+        assert engine.decoder.drafter.name == "eagle3"
+        prompt = engine.tokenize(PROMPT)
+        out, stats = generate(engine, n=48)
+    tokens = [*prompt, *out]
+    assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
+    expected = expected_rounds(ka.succ, partial(eagle3_drafts, ka), prompt, 48, k, stats)
+    assert (stats.drafted, stats.accepted) == expected
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypatch) -> None:
+    target, head, _ = eagle3_pair
+    monkeypatch.setattr(
+        heads.HiddenStates,
+        "before",
+        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
+    )
+    with open_eagle3(target, head, 1) as engine:
+        stats = generate(engine, n=32)[1]
+    assert stats.drafted > 0 and stats.accepted == 0
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_cpp_eagle3_accepts_what_the_tables_say_too(eagle3_pair, k: int) -> None:
+    target, head, ka = eagle3_pair
+    counts = llama_cpp_counts(target, k, "--spec-type", "draft-eagle3", "-md", str(head))
+    with open_eagle3(target, head, k) as engine:
+        prompt = engine.tokenize(PROMPT)
+    assert counts == llama_cpp_rounds(ka.succ, partial(eagle3_drafts, ka), prompt, 48, k)
+
+
+def test_an_eagle3_head_for_another_target_is_refused(eagle3_pair, target_model: Path) -> None:
+    """Made for a 512-wide target, offered to the 64-wide test target: one line, before
+    anything loads; `specdec check` says the same, and says what fits."""
+    target, head, _ = eagle3_pair
+    result = run_cli("run", "-m", str(target_model), "-d", str(head), "-p", "Once", "-n", "4")
+    assert result.returncode == 2
+    assert "was made for a hidden size of 512" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    refused = run_cli("check", "-m", str(target_model), "-d", str(head))
+    assert refused.returncode == 1 and "was made for a hidden size of 512" in refused.stdout
+    fits = run_cli("check", "-m", str(target), "-d", str(head), "--json")
+    assert fits.returncode == 0, fits.stdout + fits.stderr
+    record = json.loads(fits.stdout)
+    assert (record["method"], record["reads_layers"], record["problem"]) == (
+        "eagle3",
+        [0, 1, 2],
+        None,
+    )
 
 
 def test_measuring_costs_prices_a_head_step(mtp_model: Path) -> None:

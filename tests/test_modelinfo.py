@@ -73,7 +73,7 @@ def test_describe(target_model: Path) -> None:
         "drafting_head": {
             "method": None,
             "heads": 0,
-            "reads_layer": None,
+            "reads_layers": [],
             "blocks": [],
             "problem": None,
         },

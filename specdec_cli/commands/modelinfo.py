@@ -15,7 +15,8 @@ from specdec_cli.decoding.translate import SharedVocab
 from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.models.config import load_config
-from specdec_cli.models.mtp import describe_head, head_summary
+from specdec_cli.models.gguf_meta import GGUFFile
+from specdec_cli.models.heads import describe_head, eagle3_problem, head_summary
 from specdec_cli.models.resolve import locate_model
 
 
@@ -207,16 +208,21 @@ def shared_token_texts(target: ModelFacts, draft: ModelFacts) -> int:
             model.close()
 
 
-def print_head_check(target: ModelFacts, *, as_json: bool) -> bool:
-    """`specdec check -d mtp`: whether the target drafts with its own head, and how.
-    Returns whether it can."""
-    head = describe_head(target.file)
-    problem = head["problem"] if head["heads"] else f"{target.path.name} has no MTP layers"
+def print_head_check(target: ModelFacts, *, as_json: bool, eagle3: GGUFFile | None = None) -> bool:
+    """`specdec check -d mtp` (whether the target drafts with its own head, and how) or
+    `-d EAGLE3.gguf` (whether that head fits the target). Returns whether it can."""
+    head = describe_head(eagle3 or target.file)
+    if eagle3:
+        problem = eagle3_problem(target.file, eagle3)
+    else:
+        problem = head["problem"] if head["heads"] else f"{target.path.name} has no MTP layers"
     if as_json:
         print(json.dumps({"target": str(target.path), "draft": "mtp", **head, "problem": problem}))
         return problem is None
     print(f"target: {target.path}")
-    print("draft:  the target's own MTP head (-d mtp)")
+    print(
+        f"draft:  {eagle3.path if eagle3 else 'the target' + chr(39) + 's own MTP head (-d mtp)'}"
+    )
     print(f"result: {'NOT compatible' if problem else 'compatible'}")
     print(f"method: {head_summary(head)}")
     if problem:

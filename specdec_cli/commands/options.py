@@ -38,7 +38,7 @@ from specdec_cli.llamacpp.llama import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.models.config import ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import read_gguf
-from specdec_cli.models.mtp import head_problem
+from specdec_cli.models.heads import head_problem
 from specdec_cli.models.resolve import (
     HEAD,
     NO_DRAFT,

@@ -49,7 +49,8 @@ class Engine(LoadedModels):
         """Each slot's decoder for the options' drafting. Made at first use, since a first
         -k auto run measures costs here: `run` checks its prompt before that wait."""
         o = self.options
-        kind = drafter_kind(o.draft is not None, o.ngram, self.head is not None)
+        head = self.head.kind if self.head else None
+        kind = drafter_kind(self.draft_ctx is not None, o.ngram, head)
         return [self.make_decoder(kind, o.drafting.k, slot=slot) for slot in range(o.parallel)]
 
     @property

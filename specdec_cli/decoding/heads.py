@@ -1,4 +1,4 @@
-"""A drafting head inside the target (MTP): one more drafter behind the Drafter interface.
+"""A drafting head (MTP, EAGLE-3): one more drafter behind the Drafter interface.
 
 It drafts as a draft model does, one token a call, and chooses each token as a draft
 model does (greedy, coupled or sampled, with its own distribution as q: see
@@ -23,16 +23,19 @@ from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import HeadContext, HiddenStates
 from specdec_cli.llamacpp.llama import common_prefix
 
+HEAD_KINDS = ("mtp", "eagle3")  # HeadContext.kind: the drafters' names
+
 
 class HeadDrafter(ModelDrafter):
-    """The target's own MTP head, drafting chains."""
+    """A drafting head (the target's MTP block, or an EAGLE-3 file), drafting chains."""
 
-    name = "mtp"
+    name = "mtp"  # or, per instance, "eagle3"
 
     def __init__(self, ctx: HeadContext, states: HiddenStates, sampling: SamplingParams) -> None:
         super().__init__(ctx, sampling)  # type: ignore[arg-type]
         self.head = ctx
         self.states = states
+        self.name = ctx.kind
 
     def begin(
         self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
@@ -55,12 +58,19 @@ class HeadDrafter(ModelDrafter):
     ) -> DraftSteps:
         """Up to k tokens, a chain (a head's `shape` is always one)."""
         head, last = self.head, len(tokens) - 1
-        # Rows of the target's states: positions up to the last token, which the target
-        # has not decoded yet (it comes first in the verification), but whose state
-        # before it the last verification gave.
-        n_keep = head.rewind(min(common_prefix(head.tokens, tokens), head.fed, last))
-        head.stage(tokens[n_keep:], hidden=self.states.before(n_keep, len(tokens)))
-        head.fed = len(tokens)
+        # What the head reads, by its positions: the text, or for EAGLE-3 the text from
+        # its second token (its row at p holds the token at p + 1).
+        read = tokens[head.shift :]
+        if not read:
+            return Draft(source=self.name)
+        # Rows up to the last token, which the target has not decoded yet (it comes first
+        # in the verification), but whose state before it the last verification gave.
+        n_keep = head.rewind(min(common_prefix(head.tokens, read), head.fed, len(read) - 1))
+        states = self.states.before(n_keep + head.shift, len(tokens))
+        if head.kind == "eagle3":
+            states = head.encode(states)
+        head.stage(read[n_keep:], hidden=states)
+        head.fed = len(read)
         self.states.forget_before(last)
         yield
         draft = Draft(source=self.name, calls=1)

@@ -34,7 +34,8 @@ from specdec_cli.llamacpp.llama import (
 from specdec_cli.llamacpp.machine import physical_cores
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
-from specdec_cli.models.mtp import head_problem
+from specdec_cli.models.gguf_meta import GGUFFile
+from specdec_cli.models.heads import EAGLE3, eagle3_layers, eagle3_problem, head_problem
 
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
@@ -131,7 +132,8 @@ class LoadedModels:
         init_backend(options.verbose)
         # The workers' devices, before any device is chosen: -dev may name them.
         self.workers = rpc.add_workers(options.rpc) if options.rpc else []
-        pairing = check_models(options.target, draft_path)
+        eagle = eagle3_file(options)  # a -d file that is an EAGLE-3 head, not a model
+        pairing = check_models(options.target, None if eagle else draft_path)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -139,7 +141,7 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
-        uses_head = wants_head(options)
+        uses_head = eagle is None and wants_head(options)
         target_params = replace(target_params, load_mtp=uses_head)
         draft_params = _draft_params(options, repack)
         self._owned: list[Model | Context | HeadContext] = []
@@ -151,8 +153,9 @@ class LoadedModels:
         self.flash_attn = self._choose_flash_attn(
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
-        draft_model = self._own(Model(draft_path, draft_params)) if draft_path else None
-        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head)
+        loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
+        draft_model, eagle_model = (None, loaded) if eagle else (loaded, None)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head or eagle is not None)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -165,8 +168,11 @@ class LoadedModels:
             n_seq_max=target_seqs * parallel,
         )
         self.target = self._own(Context(self.model, target_params))
-        # The target's own MTP head: one context for every slot, as the draft model's.
-        self.head = self._own(HeadContext(self.target, parallel)) if uses_head else None
+        # A drafting head (the target's own MTP head, or an EAGLE-3 file): one context for
+        # every slot, as the draft model's.
+        self.head: HeadContext | None = None
+        if uses_head or eagle_model:
+            self.head = self._own(HeadContext(self.target, parallel, eagle_model))
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
         # What -k auto prices with: the median of the measurements kept, and the first.
@@ -195,11 +201,12 @@ class LoadedModels:
         self.draft_slots: list[Context | None] = (
             list(self.draft_ctx.split(parallel)) if self.draft_ctx else [None] * parallel
         )
-        # Each slot's head, and the target's hidden states it reads (recorded from the
-        # target's first decode on).
+        # Each slot's head, and the target's states it reads (recorded from the target's
+        # first decode on): its final hidden states, or the layer inputs EAGLE-3 names.
+        layers = eagle3_layers(eagle) if eagle else ()
         self.head_slots: list[tuple[HeadContext, HiddenStates]] = (
             [
-                (head, record_hidden_states(slot))
+                (head, record_hidden_states(slot, layers))
                 for head, slot in zip(self.head.split(parallel), self.slots, strict=True)
             ]
             if self.head
@@ -238,7 +245,7 @@ class LoadedModels:
         nodes = parse_tree(tree) or 0
         if nodes and head:
             if tree != "auto":
-                raise UserError(f"--tree {tree}: an MTP head drafts chains; use --tree off")
+                raise UserError(f"--tree {tree}: a drafting head drafts chains; use --tree off")
             return 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
         if nodes and recurrent:
@@ -381,7 +388,7 @@ class LoadedModels:
         return {
             "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
             "flash_attn": [self.flash_attn.used, self.draft_flash_attn],
-            "head": "mtp" if self.head else None,
+            "head": self.head.kind if self.head else None,
             "sizes": sorted(sizes),
             **self._load_settings(),
         }
@@ -418,6 +425,20 @@ def batch_warnings(options: EngineOptions) -> list[str]:
         for flag, n in asked
         if n > most
     ]
+
+
+def eagle3_file(options: EngineOptions) -> GGUFFile | None:
+    """The -d file's header where it is an EAGLE-3 head (drafting through the target's
+    layer inputs, not a model of its own), checked against the target in one line."""
+    if options.draft is None:
+        return None
+    head = gguf_meta.read_gguf(options.draft)
+    if head.architecture != EAGLE3:
+        return None
+    problem = eagle3_problem(gguf_meta.read_gguf(options.target), head)
+    if problem:
+        raise UserError(f"{options.draft.name} cannot draft for {options.target.name}: {problem}")
+    return head
 
 
 def wants_head(options: EngineOptions) -> bool:

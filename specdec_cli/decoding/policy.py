@@ -20,7 +20,7 @@ from specdec_cli.decoding.drafters import (
     TextMemory,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
-from specdec_cli.decoding.heads import HeadDrafter
+from specdec_cli.decoding.heads import HEAD_KINDS, HeadDrafter
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy
@@ -67,7 +67,7 @@ class Policy:
             drafter: Drafter = self._lookup(d.ngram_min)
         else:
             model, _, lookup_beside = kind.partition("+")
-            drafter = self._head(slot) if model == HeadDrafter.name else self._model(draft_ctx)
+            drafter = self._head(slot) if model in HEAD_KINDS else self._model(draft_ctx)
             if lookup_beside:
                 # Next to a model, only longer matches are worth more than its guess.
                 lookup = self._lookup(max(d.ngram_min, LOOKUP_MIN_MATCH))
@@ -98,9 +98,9 @@ class Policy:
         return self.model_drafter(ctx)
 
     def _head(self, slot: int) -> HeadDrafter:
-        """The slot's share of the target's MTP head."""
+        """The slot's share of the drafting head."""
         if not self.models.head_slots:
-            raise UserError(f"{self.models.model.path.name} drafts with no MTP head here")
+            raise UserError(f"{self.models.model.path.name} drafts with no head here")
         head, states = self.models.head_slots[slot]
         return HeadDrafter(head, states, self.models.options.sampling)
 

@@ -71,11 +71,11 @@ class EngineOptions:
     grammar: Grammar | None = None
 
 
-def drafter_kind(model: bool, ngram: bool | None, head: bool = False) -> str | None:
-    """The drafter for a draft model (or the target's head) and/or n-gram lookup (see
-    EngineOptions.ngram and Policy.decoder)."""
+def drafter_kind(model: bool, ngram: bool | None, head: str | None = None) -> str | None:
+    """The drafter for a draft model (or a drafting head: its kind, "mtp" or "eagle3")
+    and/or n-gram lookup (see EngineOptions.ngram and Policy.decoder)."""
     if model or head:
-        return model_drafter_kind(ngram, "mtp" if head else "model")
+        return model_drafter_kind(ngram, head or "model")
     return "ngram" if ngram else None
 
 

@@ -1,4 +1,4 @@
-"""Drafting heads inside the target: llama.cpp's MTP ("nextn") contexts, from ctypes.
+"""Drafting heads: llama.cpp's MTP ("nextn") and EAGLE-3 contexts, from ctypes.
 
 An MTP head is a decoder block that reads two things at position p: the token there,
 and the target's hidden state after position p - 1 (what the target's own output layer
@@ -12,20 +12,27 @@ loaded with its nextn layers) is fed rows of (token, position, hidden state) thr
 llama.cpp's extended batches. As `common/speculative.cpp` does, the row at position 0
 reads a zero hidden state. Slots split it as Context.split splits the target: one head
 context serves every slot, and one call decodes every slot's staged rows.
+
+An EAGLE-3 head is the same loop over other states: the inputs of three target layers,
+which its own encoder turns into its state (HeadContext.encode), one position earlier
+(its row at p reads the token at p + 1).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import FLASH_ATTN, Context
+from specdec_cli.llamacpp.llama import FLASH_ATTN, Context, Model
+
+_FLOAT_P = ctypes.POINTER(ctypes.c_float)
 
 
 def _floats(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
@@ -77,34 +84,77 @@ class HiddenStates:
         self.start = self.end - keep
 
 
-def record_hidden_states(target: Context) -> HiddenStates:
-    """Make the target's decode calls keep every row's hidden state, and record this
-    slot's in a HiddenStates. Call before the target's first decode."""
-    llama_cpp_ext.llama_set_embeddings_nextn(target.ptr, True, False)
-    n_embd = llama_cpp.llama_model_n_embd(target.model.ptr)
-    states = HiddenStates(n_embd)
+def _mangled(name: str, argtypes: list, restype: object) -> Callable | None:
+    """A function of llama.cpp's src/llama-ext.h, a C++ header: exported under its mangled
+    (Itanium ABI) name, and not bound by llama-cpp-python. None where the build lacks it."""
+    try:
+        function = getattr(llama_cpp._lib, name)
+    except AttributeError:
+        return None
+    function.argtypes, function.restype = argtypes, restype
+    return function
+
+
+_set_layer_input = _mangled(
+    "_Z30llama_set_embeddings_layer_inpP13llama_contextjb",
+    [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_bool],
+    None,
+)
+_get_layer_input = _mangled(
+    "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
+    [ctypes.c_void_p, ctypes.c_uint32],
+    ctypes.POINTER(ctypes.c_float),
+)
+
+
+def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenStates:
+    """Make the target's decode calls keep, for every row, its final hidden state (an
+    MTP head's input), or with `layers` the inputs of those layers side by side (an
+    EAGLE-3 head's; id n_layer is the final state), and record this slot's in a
+    HiddenStates. Call before the target's first decode: llama.cpp reserves its graph for
+    them then (enabled later, their values stay zero)."""
+    ptr, n_embd = target.ptr, llama_cpp.llama_model_n_embd(target.model.ptr)
+    n_layer = llama_cpp.llama_model_n_layer(target.model.ptr)
+    sources: list[Callable[[], ctypes._Pointer]] = []
+    for layer in layers or [n_layer]:
+        if layer < n_layer:
+            if _set_layer_input is None or _get_layer_input is None:
+                raise UserError("this llama.cpp build does not export its layer inputs")
+            _set_layer_input(ptr, layer, True)
+            sources.append(functools.partial(_get_layer_input, ptr, layer))
+        else:
+            llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
+            sources.append(functools.partial(llama_cpp_ext.llama_get_embeddings_nextn, ptr))
+    states = HiddenStates(n_embd * len(sources))
     # Unmasked, llama.cpp keeps a row for every place of a batch.
-    whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(target.ptr) * n_embd)
+    whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(ptr) * n_embd)
 
     def decoded(pos: int, rows: slice) -> None:
-        block = _floats(whole_batch, llama_cpp_ext.llama_get_embeddings_nextn(target.ptr))
-        states.record(pos, block.reshape(-1, n_embd)[rows.start : rows.stop])
+        blocks = [_floats(whole_batch, source()).reshape(-1, n_embd) for source in sources]
+        states.record(pos, np.hstack([block[rows.start : rows.stop] for block in blocks]))
 
     target.on_decoded = decoded
     return states
 
 
 class HeadContext:
-    """A drafting head's context for one sequence (a slot), over a llama.cpp context of
-    type MTP that may serve several slots. Like a draft model's Context, it holds a
-    prefix of the accepted tokens (`tokens`), and `stage` + `flush` decode rows."""
+    """A drafting head's context for one sequence (a slot), over a llama.cpp context that
+    may serve several slots. Like a draft model's Context, it holds a prefix of what it
+    reads (`tokens`), and `stage` + `flush` decode rows.
 
-    def __init__(self, target: Context, n_slots: int) -> None:
+    Two kinds: "mtp", the target's own MTP block (a context of type MTP over the target's
+    weights), reading at position p the token at p beside the target's state after p - 1;
+    and "eagle3", an EAGLE-3 draft file (its context borrows the target's embeddings and
+    output through ctx_other), reading at position p the token at p + 1 beside its encoding
+    of the target's layer inputs at p (`encode`): its rows lie one position `shift`ed."""
+
+    def __init__(self, target: Context, n_slots: int, model: Model | None = None) -> None:
         """Over `target` (the whole target context, before it is split into slots), with
-        its size, threads and flash attention."""
-        model = target.model
-        if not model.n_nextn:
-            raise UserError(f"{model.path.name} has no MTP layers to draft with")
+        its size, threads and flash attention; `model`: an EAGLE-3 file (None: the
+        target's own MTP head)."""
+        self.kind = "eagle3" if model else "mtp"
+        self.shift = 1 if model else 0
+        model = model or target.model
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
         cparams.n_batch = target.n_batch
@@ -114,19 +164,20 @@ class HeadContext:
         cparams.n_threads = cparams.n_threads_batch = target.threads
         cparams.flash_attn_type = FLASH_ATTN[target.flash_attn]
         cparams.no_perf = False
-        cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
+        if self.kind == "mtp":
+            cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         cparams.ctx_other = target.ptr
         cparams.n_rs_seq = 0
         ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not ptr:
-            raise UserError(f"llama.cpp could not create an MTP context for {model.path.name}")
+            raise UserError(f"llama.cpp could not create a drafting context for {model.path.name}")
         # Every row's hidden state, read by its batch place. Not "masked" (the rows with
         # logits only): llama.cpp then copies the first n_outputs rows of the graph's
         # state, which Qwen3.5's MTP graph computes for every row, so that a call whose
         # last row alone has logits hands back its first row's state.
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
         n_embd = llama_cpp.llama_model_n_embd(model.ptr)
-        self._shared = _HeadShared(ptr, model.n_vocab, n_embd)
+        self._shared = _HeadShared(ptr, target.model.n_vocab, n_embd, cparams.n_ubatch)
         self._owner = True
         self.model = model
         self.n_embd = n_embd
@@ -201,6 +252,11 @@ class HeadContext:
         """The last flush's logits for this slot's last staged token (a view)."""
         return _floats(self._shared.logit_row, llama_cpp.llama_get_logits_ith(self.ptr, self._out))
 
+    def encode(self, features: np.ndarray) -> np.ndarray:
+        """An EAGLE-3 head's reading of the target's layer inputs, a row each (its
+        encoder: an extra call, which its own memory does not see)."""
+        return self._shared.encode(self.seq, len(self.tokens), features)
+
     def hidden(self) -> np.ndarray:
         """The head's own hidden state after that token: what it reads for the next."""
         ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._out)
@@ -233,10 +289,14 @@ class _HeadShared:
     """What a head context's slots share: the llama.cpp context, and the extended batch
     of the next call, with each slot's rows."""
 
-    def __init__(self, ptr: llama_cpp.llama_context_p, n_vocab: int, n_embd: int) -> None:
+    def __init__(
+        self, ptr: llama_cpp.llama_context_p, n_vocab: int, n_embd: int, n_ubatch: int
+    ) -> None:
         self.ptr: llama_cpp.llama_context_p | None = ptr
-        self.n_vocab, self.n_embd = n_vocab, n_embd
+        self.n_vocab, self.n_embd, self.n_ubatch = n_vocab, n_embd, n_ubatch
         self.batch = llama_cpp.llama_batch_ext_init(ptr)
+        self.encoder_batch = llama_cpp.llama_batch_ext_init(ptr)
+        self.encoded = ctypes.c_float * (n_ubatch * n_embd)
         self.staged: list[HeadContext] = []
         self.n_staged = 0
         self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (text: the first)
@@ -261,11 +321,39 @@ class _HeadShared:
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
             embd_data.value = base + i * row_bytes
             llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
-            if i == last:
+            if i == last or slot.kind == "eagle3":
+                # EAGLE-3's graph computes logits for every row (no selection of the rows
+                # asked for), and llama.cpp then keeps the first n_outputs: ask for all,
+                # or the last row's place reads the first row's logits.
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
                 slot._out = idx
         self.staged.append(slot)
         self.n_staged += len(tokens)
+
+    def encode(self, seq: int, pos: int, features: np.ndarray) -> np.ndarray:
+        """The encoder's output for each row of `features`, a ubatch at a time (llama.cpp
+        encodes one ubatch a call). The encoder reads no positions, but llama.cpp wants
+        them to follow the sequence's memory (from `pos`)."""
+        features = np.ascontiguousarray(features, np.float32)
+        out = np.empty((len(features), self.n_embd), np.float32)
+        batch, row_bytes, width = self.encoder_batch, features.strides[0], features.shape[1]
+        for start in range(0, len(features), self.n_ubatch):
+            stop = min(start + self.n_ubatch, len(features))
+            for i in range(start, stop):
+                address = ctypes.cast(features.ctypes.data + i * row_bytes, _FLOAT_P)
+                idx = llama_cpp.llama_batch_ext_add_embd(
+                    batch, seq, llama_cpp.llama_embd(address, 1, width)
+                )
+                self._pos[0] = pos + i
+                llama_cpp.llama_batch_ext_set_pos(batch, idx, self._pos)
+                llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
+            status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_ENCODE, batch)
+            llama_cpp.llama_batch_ext_clear(batch)
+            if status != 0:
+                raise RuntimeError(f"the EAGLE-3 encoder failed with status {status}")
+            rows = _floats(self.encoded, llama_cpp_ext.llama_get_embeddings_nextn(self.ptr))
+            out[start:stop] = rows.reshape(-1, self.n_embd)[: stop - start]
+        return out
 
     def flush(self, name: str) -> int:
         staged, n = self.staged, self.n_staged
@@ -287,5 +375,6 @@ class _HeadShared:
     def close(self) -> None:
         if self.ptr:
             llama_cpp.llama_batch_ext_free(self.batch)
+            llama_cpp.llama_batch_ext_free(self.encoder_batch)
             llama_cpp.llama_free(self.ptr)
             self.ptr = None

@@ -17,7 +17,7 @@ from specdec_cli.models.gguf_meta import check_gguf
 from specdec_cli.models.hub import fetch_gguf, is_cached, is_hub_ref
 
 NO_DRAFT = "none"  # `-d none`: run the target alone, as a baseline
-HEAD = "mtp"  # `-d mtp`: the target's own MTP head drafts (models/mtp.py)
+HEAD = "mtp"  # `-d mtp`: the target's own MTP head drafts (models/heads.py)
 OWN_MODELS = "pass your own models: -m TARGET.gguf [-d DRAFT.gguf]"
 
 
