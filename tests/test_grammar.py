@@ -18,6 +18,7 @@ from specdec_cli.decoding import decode
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
@@ -328,3 +329,24 @@ def test_serve_bad_grammars_are_400_in_one_line(grammar_server, fields: dict) ->
     assert reply.status_code == 400, reply.text
     message = reply.json()["error"]["message"]
     assert message and "\n" not in message
+
+
+def test_post_sampling_logprobs_are_the_masked_distribution(
+    target_model: Path, draft_model: Path
+) -> None:
+    grammar = Grammar.gbnf(NO_R)
+    options = LogprobOptions(top=8, post_sampling=True)
+    with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
+        decoder = engine.make_decoder("model", "3")
+        prompt = engine.tokenize(REPEATING_PROMPT)
+        entries = []
+        rng = np.random.default_rng(0)
+        for new in decoder.generate(prompt, 32, rng, Stats(), None, options, grammar):
+            assert new.logprobs is not None
+            entries += new.logprobs
+        for entry in entries:
+            assert np.isfinite(entry.logprob)
+            alternatives = [t for t, logprob in entry.top if np.isfinite(logprob)]
+            assert alternatives
+            assert all(b"r" not in engine.model.piece(t) for t in alternatives)
+    assert len(entries) == 32

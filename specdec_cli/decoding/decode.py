@@ -644,10 +644,23 @@ class Generation:
         logits = self.decoder.target.logits
         tokens = [*(draft.tokens[i] for i in path), next_token]
         rows = [0, *(i + 1 for i in path)]
-        return [
-            token_logprob(logits(row), token, self.logprobs, self.sampling)
-            for row, token in zip(rows, tokens, strict=True)
-        ]
+        constraint = self.constraint
+        if constraint is None or not self.logprobs.post_sampling:
+            return [
+                token_logprob(logits(row), token, self.logprobs, self.sampling)
+                for row, token in zip(rows, tokens, strict=True)
+            ]
+        # Post-sampling under a grammar: the masked distribution the token came from.
+        masks = PathMasks(constraint, draft.tokens, draft.parent_list())
+        try:
+            out = []
+            for row, token in zip(rows, tokens, strict=True):
+                allowed = masks.allowed(row)
+                values = logits(row) if allowed is None else constraint.mask(logits(row), allowed)
+                out.append(token_logprob(values, token, self.logprobs, self.sampling))
+            return out
+        finally:
+            masks.close()
 
     def close(self) -> None:
         """The generation's figures, whether it ran to its end or was stopped early."""
