@@ -974,3 +974,19 @@ def write_eagle3_known_answer(
     metadata = with_architecture(llama_metadata(hp, vocab), "eagle3", keys)
     head_path = write_gguf(folder / "eagle3.gguf", metadata, head)
     return target_path, head_path, Eagle3KnownAnswer(succ, answer)
+
+
+def write_mtp_sidecar(path: Path, model: Path) -> Path:
+    """The MTP block of an F32 Qwen3.5 model alone, as an `mtp-*.gguf` sidecar: its
+    metadata, the token embeddings, output layer and final norm, and the nextn blocks."""
+    metadata, tensors = read_f32_model(model)
+    arch = metadata["general.architecture"].value
+    n_trunk = int(metadata[f"{arch}.block_count"].value) - int(
+        metadata[f"{arch}.nextn_predict_layers"].value
+    )
+    kept = {
+        name: w
+        for name, w in tensors.items()
+        if not name.startswith("blk.") or int(name.split(".")[1]) >= n_trunk
+    }
+    return write_gguf(path, metadata, kept)

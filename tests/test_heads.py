@@ -22,6 +22,7 @@ from ggufgen import (
     spm_vocab,
     write_eagle3_known_answer,
     write_mtp_known_answer,
+    write_mtp_sidecar,
     write_qwen35_model,
 )
 from scipy.stats import chi2_contingency
@@ -576,3 +577,36 @@ def test_serve_drafts_with_the_head_in_two_slots(
     assert [r.json()["choices"][0]["text"] for r in replies] == [expected, expected]
     accepted = re.search(r"spec_decode_num_accepted_tokens_total (\d+)", metrics)
     assert accepted and int(accepted.group(1)) > 0
+
+
+def test_an_mtp_sidecar_drafts_as_the_models_own_head(
+    known_answer, mtp_model: Path, tmp_path: Path
+) -> None:
+    """`-d mtp-*.gguf`: the MTP block in a file of its own (the trunk left out) drafts for
+    the target as the target's own head does, table for table; one for another target
+    is refused in one line."""
+    path, ka = known_answer
+    sidecar = write_mtp_sidecar(tmp_path / "mtp-known-answer.gguf", path)
+    with open_engine(path, 3, head=False) as own:
+        prompt = own.tokenize(PROMPT)
+    engine = Engine(
+        EngineOptions(
+            target=path,
+            draft=sidecar,
+            ngram=False,
+            n_ctx=256,
+            threads=1,
+            flash_attn="off",
+            drafting=DraftOptions(k="3", tree="off"),
+        )
+    )
+    with engine:
+        assert engine.decoder.drafter.name == "mtp"
+        out, stats = generate(engine, n=48)
+    tokens = [*prompt, *out]
+    assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
+    expected = expected_rounds(ka.succ, partial(head_drafts, ka), prompt, 48, 3, stats)
+    assert (stats.drafted, stats.accepted) == expected
+    result = run_cli("run", "-m", str(mtp_model), "-d", str(sidecar), "-p", "Once", "-n", "4")
+    assert result.returncode == 2
+    assert "reads a hidden state of 1024" in result.stderr

@@ -35,7 +35,14 @@ from specdec_cli.llamacpp.machine import physical_cores
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
 from specdec_cli.models.gguf_meta import GGUFFile
-from specdec_cli.models.heads import EAGLE3, eagle3_layers, eagle3_problem, head_problem
+from specdec_cli.models.heads import (
+    EAGLE3,
+    eagle3_layers,
+    eagle3_problem,
+    head_problem,
+    is_mtp_sidecar,
+    sidecar_problem,
+)
 
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
@@ -132,8 +139,9 @@ class LoadedModels:
         init_backend(options.verbose)
         # The workers' devices, before any device is chosen: -dev may name them.
         self.workers = rpc.add_workers(options.rpc) if options.rpc else []
-        eagle = eagle3_file(options)  # a -d file that is an EAGLE-3 head, not a model
-        pairing = check_models(options.target, None if eagle else draft_path)
+        # A -d file that is a head (EAGLE-3, or an MTP sidecar), not a model of its own.
+        head_kind, head_file = head_of_file(options)
+        pairing = check_models(options.target, None if head_kind else draft_path)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -141,9 +149,9 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
-        uses_head = eagle is None and wants_head(options)
+        uses_head = head_kind is None and wants_head(options)
         target_params = replace(target_params, load_mtp=uses_head)
-        draft_params = _draft_params(options, repack)
+        draft_params = replace(_draft_params(options, repack), load_mtp=head_kind == "mtp")
         self._owned: list[Model | Context | HeadContext] = []
         self.model = self._own(Model(options.target, target_params))
         parallel = options.parallel
@@ -154,8 +162,8 @@ class LoadedModels:
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
         loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
-        draft_model, eagle_model = (None, loaded) if eagle else (loaded, None)
-        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head or eagle is not None)
+        draft_model, head_model = (None, loaded) if head_kind else (loaded, None)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head or head_kind is not None)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -171,8 +179,9 @@ class LoadedModels:
         # A drafting head (the target's own MTP head, or an EAGLE-3 file): one context for
         # every slot, as the draft model's.
         self.head: HeadContext | None = None
-        if uses_head or eagle_model:
-            self.head = self._own(HeadContext(self.target, parallel, eagle_model))
+        if uses_head or head_model:
+            head = HeadContext(self.target, parallel, head_model, head_kind or "mtp")
+            self.head = self._own(head)
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
         # What -k auto prices with: the median of the measurements kept, and the first.
@@ -203,7 +212,7 @@ class LoadedModels:
         )
         # Each slot's head, and the target's states it reads (recorded from the target's
         # first decode on): its final hidden states, or the layer inputs EAGLE-3 names.
-        layers = eagle3_layers(eagle) if eagle else ()
+        layers = eagle3_layers(head_file) if head_kind == EAGLE3 else ()
         self.head_slots: list[tuple[HeadContext, HiddenStates]] = (
             [
                 (head, record_hidden_states(slot, layers))
@@ -427,18 +436,21 @@ def batch_warnings(options: EngineOptions) -> list[str]:
     ]
 
 
-def eagle3_file(options: EngineOptions) -> GGUFFile | None:
-    """The -d file's header where it is an EAGLE-3 head (drafting through the target's
-    layer inputs, not a model of its own), checked against the target in one line."""
+def head_of_file(options: EngineOptions) -> tuple[str | None, GGUFFile | None]:
+    """Where the -d file is a head, not a model of its own: its kind ("eagle3": drafting
+    through the target's layer inputs; "mtp": an MTP sidecar, the block alone) and its
+    header, checked against the target in one line. (None, None) otherwise."""
     if options.draft is None:
-        return None
+        return None, None
     head = gguf_meta.read_gguf(options.draft)
-    if head.architecture != EAGLE3:
-        return None
-    problem = eagle3_problem(gguf_meta.read_gguf(options.target), head)
+    kind = EAGLE3 if head.architecture == EAGLE3 else "mtp" if is_mtp_sidecar(head) else None
+    if kind is None:
+        return None, None
+    target = gguf_meta.read_gguf(options.target)
+    problem = eagle3_problem(target, head) if kind == EAGLE3 else sidecar_problem(target, head)
     if problem:
         raise UserError(f"{options.draft.name} cannot draft for {options.target.name}: {problem}")
-    return head
+    return kind, head
 
 
 def wants_head(options: EngineOptions) -> bool:

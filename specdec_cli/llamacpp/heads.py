@@ -148,12 +148,14 @@ class HeadContext:
     output through ctx_other), reading at position p the token at p + 1 beside its encoding
     of the target's layer inputs at p (`encode`): its rows lie one position `shift`ed."""
 
-    def __init__(self, target: Context, n_slots: int, model: Model | None = None) -> None:
+    def __init__(
+        self, target: Context, n_slots: int, model: Model | None = None, kind: str = "mtp"
+    ) -> None:
         """Over `target` (the whole target context, before it is split into slots), with
-        its size, threads and flash attention; `model`: an EAGLE-3 file (None: the
-        target's own MTP head)."""
-        self.kind = "eagle3" if model else "mtp"
-        self.shift = 1 if model else 0
+        its size, threads and flash attention; `model`: an EAGLE-3 file, or an MTP
+        sidecar (a file of the MTP block alone), None for the target's own MTP head."""
+        self.kind = kind
+        self.shift = 1 if kind == "eagle3" else 0
         model = model or target.model
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)

@@ -1,10 +1,12 @@
-"""Which targets can draft with their own MTP ("nextn") head, read from the file's header
-before anything loads: llama.cpp aborts the process on a graph it cannot build."""
+"""Which pairings a drafting head can draft for, read from the files' headers before
+anything loads (llama.cpp aborts the process on a graph it cannot build): a target's own
+MTP ("nextn") head, and an EAGLE-3 file for a target."""
 
 from __future__ import annotations
 
 from specdec_cli.models.gguf_meta import GGUFFile
 
+EAGLE3 = "eagle3"
 # The architectures whose MTP blocks llama.cpp runs as a draft context (those with an
 # LLM_GRAPH_TYPE_DECODER_MTP graph in src/models), by their GGUF names.
 MTP_ARCHITECTURES = frozenset(
@@ -29,15 +31,25 @@ MTP_ARCHITECTURES = frozenset(
 
 
 def describe_head(file: GGUFFile) -> dict[str, object]:
-    """What `specdec info` and `check` say of a model's own drafting head: the method,
-    how many heads, which target layer's output each reads, and why it cannot draft."""
+    """What `specdec info` and `check` say of a model's own drafting head, or of an
+    EAGLE-3 file: the method, how many heads, which target layers' outputs (MTP) or
+    inputs (EAGLE-3) each reads, and why it cannot draft."""
+    if file.architecture == EAGLE3:
+        return {
+            "method": EAGLE3,
+            "heads": 1,
+            "reads_layers": eagle3_layers(file),
+            "target_hidden_size": file.metadata.get(f"{EAGLE3}.target_hidden_size"),
+            "blocks": [],
+            "problem": None,
+        }
     n_heads, n_blocks = file.n_nextn, file.n_layers or 0
     trunk = n_blocks - n_heads
     return {
         "method": "mtp" if n_heads else None,
         "heads": n_heads,
         # Each MTP block reads the trunk's last layer, after the final norm (h_nextn).
-        "reads_layer": trunk - 1 if n_heads else None,
+        "reads_layers": [trunk - 1] if n_heads else [],
         "blocks": list(range(trunk, n_blocks)),
         "problem": head_problem(file) if n_heads else None,
     }
@@ -47,14 +59,45 @@ def head_summary(head: dict[str, object]) -> str:
     """describe_head in one line."""
     if not head["heads"]:
         return "none"
+    if head["method"] == EAGLE3:
+        return (
+            f"an EAGLE-3 head: reads the inputs of target layers {head['reads_layers']} "
+            f"(n_layer: the final state) of a {head['target_hidden_size']}-wide target; "
+            "drafts with -d THIS_FILE"
+        )
     blocks = ", ".join(str(b) for b in head["blocks"])  # type: ignore[attr-defined]
     line = (
         f"MTP, {head['heads']} block(s) ({blocks}), reading the output of layer "
-        f"{head['reads_layer']} after the final norm"
+        f"{head['reads_layers'][0]} after the final norm"  # type: ignore[index]
     )
     if head["problem"]:
         return f"{line}; cannot draft: {head['problem']}"
     return f"{line}; drafts by default (-d mtp)"
+
+
+def is_mtp_sidecar(file: GGUFFile) -> bool:
+    """An MTP sidecar: a file of a model's MTP block(s) alone, without the trunk (which
+    llama.cpp then loads as optional: its first layer's tensors are absent)."""
+    names = {t.name for t in file.tensors}
+    return bool(file.n_nextn) and "blk.0.attn_norm.weight" not in names
+
+
+def sidecar_problem(target: GGUFFile, head: GGUFFile) -> str | None:
+    """Why an MTP sidecar cannot draft for this target (None: it can)."""
+    problem = head_problem(head)
+    if problem:
+        return problem
+    name, target_name = head.path.name, target.path.name
+    if head.architecture != target.architecture:
+        return f"{name} is a {head.architecture} head, {target_name} a {target.architecture} model"
+    if head.embedding_length != target.embedding_length:
+        return (
+            f"{head.path.name} reads a hidden state of {head.embedding_length}, "
+            f"{target.path.name}'s is {target.embedding_length}"
+        )
+    if len(head.tokens) != len(target.tokens):
+        return f"{name} has {len(head.tokens)} tokens, {target_name} {len(target.tokens)}"
+    return None
 
 
 def head_problem(file: GGUFFile) -> str | None:
@@ -67,4 +110,59 @@ def head_problem(file: GGUFFile) -> str | None:
     if n_heads > 1:
         # step35, hy_v3 and mimo2 chain one head a draft step (llama_set_nextn_layer_offset).
         return f"{name} has {n_heads} chained MTP heads; specdec drives single heads so far"
+    return None
+
+
+# The architectures whose graphs expose their layers' inputs (llama.cpp's t_layer_inp, in
+# src/models), which an EAGLE-3 head reads; by their GGUF names.
+LAYER_INPUT_ARCHITECTURES = frozenset(
+    {
+        "bailingmoe3",
+        "deepseek4",
+        "gemma4",
+        "gpt-oss",
+        "hunyuan_vl",
+        "lfm2",
+        "llama",
+        "mimo2",
+        "minimax-01",
+        "minimax-m2",
+        "muse-glimmer",
+        "nanbeige",
+        "nemotron_h",
+        "qwen3",
+        "qwen35",
+        "qwen35moe",
+        "qwen3moe",
+        "qwen3next",
+        "qwen4exp",
+    }
+)
+
+
+def eagle3_layers(head: GGUFFile) -> list[int]:
+    """The target layers whose inputs an EAGLE-3 head reads (n_layer: the final state)."""
+    return [int(i) for i in head.metadata.get(f"{EAGLE3}.target_layers") or []]
+
+
+def eagle3_problem(target: GGUFFile, head: GGUFFile) -> str | None:
+    """Why an EAGLE-3 file cannot draft for this target (None: it can)."""
+    name, layers = head.path.name, eagle3_layers(head)
+    n_layer, width = target.n_layers or 0, target.embedding_length
+    if target.architecture not in LAYER_INPUT_ARCHITECTURES:
+        return f"llama.cpp exposes no layer inputs of a {target.architecture} model to {name}"
+    if len(layers) != 3:
+        return f"{name} names {len(layers)} target layers ({EAGLE3}.target_layers), not 3"
+    if max(layers) > n_layer or min(layers) < 0:
+        return f"{name} reads layers {layers}, but {target.path.name} has {n_layer}"
+    wanted = head.metadata.get(f"{EAGLE3}.target_hidden_size")
+    if wanted != width:
+        return f"{name} was made for a hidden size of {wanted}, {target.path.name}'s is {width}"
+    output = next((t for t in head.tensors if t.name == "output.weight"), None)
+    has_map = any(t.name == "d2t" for t in head.tensors)
+    if output is not None and not has_map and output.shape[-1] != len(target.tokens):
+        return (
+            f"{name} predicts {output.shape[-1]} tokens without a map (d2t) to "
+            f"{target.path.name}'s {len(target.tokens)}"
+        )
     return None
