@@ -20,7 +20,7 @@ from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
-from specdec_cli.decoding.settings import EngineOptions
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 
@@ -350,3 +350,71 @@ def test_post_sampling_logprobs_are_the_masked_distribution(
             assert alternatives
             assert all(b"r" not in engine.model.piece(t) for t in alternatives)
     assert len(entries) == 32
+
+
+def test_coupled_sampled_text_equals_constrained_target_only(
+    target_model: Path, draft_model: Path
+) -> None:
+    """Coupled sampling draws each token before anything is drafted: under a grammar too,
+    the text for a seed is target-only's, token for token, whoever drafts."""
+    coupled = SamplingParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0, coupled=True)
+    grammar = Grammar.gbnf(NO_R)
+    with open_engine(target_model, draft_model, 3, coupled, tree="off") as engine:
+        for seed in range(4):
+            alone, _ = run(engine, engine.make_decoder(None, "1"), grammar, seed=seed, n=48)
+            for drafter in ("model", "ngram"):
+                out, _ = run(engine, engine.make_decoder(drafter, "3"), grammar, seed=seed, n=48)
+                assert out == alone, (seed, drafter)
+            assert b"r" not in b"".join(engine.model.piece(t) for t in alone)
+
+
+def test_serve_concurrent_requests_each_follow_their_own_schema(grammar_server) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    other = {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}
+    url = f"{grammar_server.url}/v1/completions"
+
+    def ask(schema: dict) -> object:
+        body = {"prompt": PROMPT, "max_tokens": 96, "temperature": 0, "json_schema": schema}
+        value = json.loads(httpx.post(url, json=body, timeout=120).json()["choices"][0]["text"])
+        jsonschema.validate(value, schema)
+        return value
+
+    with ThreadPoolExecutor(4) as pool:
+        replies = list(pool.map(ask, [SCHEMA, other, SCHEMA, other]))
+    assert replies[0] == replies[2] and replies[1] == replies[3]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A hybrid Qwen3.5 target with an MTP head (as test_heads.py's)."""
+    from ggufgen import Qwen35Params, spm_vocab, write_qwen35_model
+
+    path = tmp_path_factory.mktemp("qwen35-grammar") / "qwen35-mtp.gguf"
+    return write_qwen35_model(path, spm_vocab(), Qwen35Params(), seed=1, weak_scale=0.05)
+
+
+@pytest.mark.parametrize("schema", [SCHEMA, FORCED_SCHEMA], ids=["schema", "forced"])
+def test_greedy_mtp_head_under_a_schema(mtp_model: Path, schema: dict) -> None:
+    """The head draws under the mask too, and after a round of forced tokens catches up
+    on them with the target's states; a hybrid target rolls back as ever."""
+    grammar = Grammar.json_schema(schema)
+
+    def engine(head: bool) -> Engine:
+        drafting = DraftOptions(k="3", tree="off")
+        options = EngineOptions(
+            target=mtp_model, head=head, ngram=False, threads=1, flash_attn="off",
+            sampling=GREEDY, drafting=drafting,
+        )  # fmt: skip
+        return Engine(options)
+
+    with engine(False) as alone:
+        reference, _ = run(alone, alone.decoder, grammar)
+    with engine(True) as speculative:
+        out, stats = run(speculative, speculative.decoder, grammar)
+    assert out == reference
+    assert stats.proposed_by["mtp"] > 0
+    if schema is FORCED_SCHEMA:
+        assert stats.proposed_by["grammar"] >= 40
