@@ -13,6 +13,7 @@ import pytest
 from scipy.stats import chi2_contingency
 from test_cli_run import assert_user_error, specdec
 from test_decode import PROMPT, REPEATING_PROMPT, contingency, open_engine
+from test_tools import tool_model  # noqa: F401 (a fixture)
 
 from specdec_cli.decoding import decode
 from specdec_cli.decoding.decode import Decoder
@@ -262,12 +263,24 @@ def test_cli_json_schema_file(target_model: Path, draft_model: Path, tmp_path: P
     jsonschema.validate(json.loads(result.stdout), SCHEMA)
 
 
+# A Jinja chat template that takes tools, briefly (the tiny models' context is short): the
+# generic call format, no call markers.
+TOOLS_TEMPLATE = (
+    "{% if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def grammar_server(tmp_path_factory: pytest.TempPathFactory, target_model: Path, draft_model: Path):
     from test_server import start
 
-    args = ["-m", str(target_model), "-d", str(draft_model), "--chat-template", "chatml"]
-    proc = start(tmp_path_factory.mktemp("serve-grammar"), *args, "-np", "2", "--temp", "0")
+    folder = tmp_path_factory.mktemp("serve-grammar")
+    template = folder / "template.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    args = ["-m", str(target_model), "-d", str(draft_model), "--chat-template-file", str(template)]
+    proc = start(folder, *args, "-np", "2", "--temp", "0")
     yield proc
     assert proc.stop() == 0, proc.output()
 
@@ -418,3 +431,130 @@ def test_greedy_mtp_head_under_a_schema(mtp_model: Path, schema: dict) -> None:
     assert stats.proposed_by["mtp"] > 0
     if schema is FORCED_SCHEMA:
         assert stats.proposed_by["grammar"] >= 40
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+SHOUT = {
+    "type": "function",
+    "function": {
+        "name": "shout",
+        "parameters": {
+            "type": "object",
+            "properties": {"word": {"type": "string", "enum": ["hey", "ho"]}},
+            "required": ["word"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize(
+    ("choice", "names"),
+    [
+        ("required", {"add", "shout"}),
+        ({"type": "function", "function": {"name": "shout"}}, {"shout"}),
+    ],
+    ids=["required", "named"],
+)
+def test_serve_tool_choice_is_enforced_by_a_grammar(grammar_server, choice, names) -> None:
+    """A random model never writes a call of its own: with tool_choice "required" or a
+    named function it must, in the template's format (chatml: the generic JSON one)."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{grammar_server.url}/v1", api_key="x", max_retries=0)
+    for stream in (False, True):
+        reply = client.chat.completions.create(
+            model="t",
+            messages=[{"role": "user", "content": "Add"}],
+            tools=[ADD, SHOUT],  # type: ignore[list-item]
+            tool_choice=choice,
+            parallel_tool_calls=False,
+            max_tokens=224,  # the random model pads with white space where it may
+            stream=stream,
+        )
+        if stream:
+            calls: dict[int, list[str]] = {}
+            for chunk in reply:
+                for part in chunk.choices[0].delta.tool_calls or []:
+                    call = calls.setdefault(part.index, ["", ""])
+                    call[0] += part.function.name or ""
+                    call[1] += part.function.arguments or ""
+            made = [tuple(call) for call in calls.values()]
+        else:
+            assert reply.choices[0].finish_reason == "tool_calls", reply
+            made = [
+                (c.function.name, c.function.arguments) for c in reply.choices[0].message.tool_calls
+            ]
+        assert len(made) == 1
+        name, arguments = made[0]
+        assert name in names
+        schema = next(t for t in (ADD, SHOUT) if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(arguments), schema["function"]["parameters"])
+
+
+def test_tool_call_grammar_in_every_format(target_model: Path) -> None:
+    """Each format's grammar gives a reply that its parser reads as one call."""
+    from specdec_cli.decoding.grammar import lark_literal
+    from specdec_cli.serve.toolcalls import (
+        GENERIC,
+        HERMES,
+        LLAMA3,
+        MISTRAL,
+        ToolCallParser,
+        call_grammar,
+    )
+
+    with open_engine(target_model) as engine:
+        for kind in (HERMES, MISTRAL, LLAMA3, GENERIC):
+            lark = call_grammar(
+                kind,
+                [ADD, SHOUT],
+                False,
+                lambda t: lark_literal(engine.model, t),
+            )
+            out, stats = run(engine, engine.decoder, Grammar.lark(lark), n=200)
+            assert stats.stop_reason == "eos", kind
+            parser = ToolCallParser(kind, parallel=False)
+            parser.feed(text(engine, out))
+            (call,) = parser.finish().calls
+            assert call.name in ("add", "shout"), kind
+
+
+def test_hermes_markers_that_are_control_tokens(tool_model: Path) -> None:  # noqa: F811
+    """A scripted chat model whose <tool_call> markers are control tokens: the grammar
+    names them as tokens (llguidance's <[id]>), and the model's own call passes it."""
+    from test_tools import WEATHER
+
+    from specdec_cli.decoding.grammar import lark_literal
+    from specdec_cli.models.chat import ChatFormat, Message, chat_tokens, render
+    from specdec_cli.serve.toolcalls import HERMES, ToolCallParser, call_grammar
+
+    options = EngineOptions(target=tool_model, threads=1, sampling=GREEDY, flash_attn="off")
+    with Engine(options) as engine:
+        model = engine.model
+        assert lark_literal(model, "<tool_call>").startswith("<[")
+        lark = call_grammar(HERMES, [WEATHER], False, lambda t: lark_literal(model, t))
+        messages = [Message("user", "Weather in Paris?")]
+        prompt = chat_tokens(model, render(model, messages, ChatFormat(), [WEATHER]))
+        rng, stats, out = np.random.default_rng(0), Stats(), []
+        for new in engine.decoder.generate(prompt, 32, rng, stats, grammar=Grammar.lark(lark)):
+            out += new.tokens
+        written = "".join(model.token_text(t) for t in out)
+    parser = ToolCallParser(HERMES, parallel=False)
+    parser.feed(written)
+    (call,) = parser.finish().calls
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})

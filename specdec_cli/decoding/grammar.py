@@ -85,6 +85,11 @@ class Grammar:
         return cls("json_schema", text, compiled)
 
     @classmethod
+    def lark(cls, text: str, kind: str = "lark") -> Grammar:
+        """A grammar in llguidance's Lark (see lark_literal for special tokens)."""
+        return cls(kind, text, llguidance.LLMatcher.grammar_from_lark(text))
+
+    @classmethod
     def json_object(cls) -> Grammar:
         """Any JSON object (OpenAI's response_format json_object)."""
         grammar = cls.json_schema({"type": "object"})
@@ -101,6 +106,26 @@ class Grammar:
     def start(self, model: Model) -> Constraint:
         """A generation's matcher, at the start of its output."""
         return Constraint(model, self)
+
+
+def lark_literal(model: Model, text: str) -> str:
+    """`text` in llguidance's Lark: the special token it is, where the vocabulary has one
+    that llguidance sees as special (see _tokenizer: control tokens, and user-defined ones
+    in angle brackets), else the string."""
+    tokens = model.tokenize(text, add_special=False, parse_special=True)
+    if len(tokens) == 1:
+        token = tokens[0]
+        if _is_special(model.vocab, token, model.token_text(token).encode()):
+            return f"<[{token}]>"
+    return json.dumps(text)
+
+
+def _is_special(vocab: Any, token: int, piece: bytes) -> bool:
+    attr = llama_cpp.llama_vocab_get_attr(vocab, token)
+    if attr & llama_cpp.LLAMA_TOKEN_ATTR_CONTROL:
+        return True
+    user_defined = attr & llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
+    return bool(user_defined) and piece.startswith(b"<") and piece.endswith(b">")
 
 
 def _one_line(error: object) -> str:
@@ -129,8 +154,6 @@ def _tokenizer(model: Model) -> llguidance.LLTokenizer:
     vocab = model.vocab
     size = 16 * 1024
     buffer = ctypes.create_string_buffer(size + 1)
-    control = llama_cpp.LLAMA_TOKEN_ATTR_CONTROL
-    user_defined = llama_cpp.LLAMA_TOKEN_ATTR_USER_DEFINED
     pieces: list[bytes] = []
     eog: list[int] = []
     for token in range(model.n_vocab):
@@ -138,10 +161,7 @@ def _tokenizer(model: Model) -> llguidance.LLTokenizer:
         if n < 0:
             raise ValueError(f"token {token}'s text is longer than {size} bytes")
         piece = buffer.raw[:n]
-        attr = llama_cpp.llama_vocab_get_attr(vocab, token)
-        if attr & control or (
-            attr & user_defined and piece.startswith(b"<") and piece.endswith(b">")
-        ):
+        if _is_special(vocab, token, piece):
             piece = b"\xff" + piece
         pieces.append(piece)
         if llama_cpp.llama_vocab_is_eog(vocab, token):

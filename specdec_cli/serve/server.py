@@ -49,6 +49,7 @@ from specdec_cli.commands import interrupt
 from specdec_cli.commands.display import note, warn
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.grammar import Grammar, lark_literal
 from specdec_cli.decoding.logprobs import TokenLogprob
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.promptcache import PromptCache
@@ -69,7 +70,7 @@ from specdec_cli.serve.api import (
 from specdec_cli.serve.logprobs import LogprobWriter
 from specdec_cli.serve.reasoning import END, START, ThinkingSplitter, opens_thinking
 from specdec_cli.serve.reply import Part, ReplyParser
-from specdec_cli.serve.toolcalls import MARKER_TEXTS, ToolCallParser, format_for
+from specdec_cli.serve.toolcalls import MARKER_TEXTS, ToolCallParser, call_grammar, format_for
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -403,6 +404,27 @@ class Service:
             tools = ToolCallParser(kind, request.parallel_tool_calls)
             markers += MARKER_TEXTS[kind]
         return ReplyParser(thinking, tools), {t for m in markers for t in self._marker_token(m)}
+
+    def tool_grammar(self, request: GenerationRequest, prompt: list[int]) -> Grammar | None:
+        """tool_choice "required" or a named function, as a grammar: the reply is the
+        call(s) in the template's format, each call's arguments its parameters' schema
+        (see toolcalls.call_grammar). None where nothing is required, where the request
+        constrains the reply itself, or where the template opened a thinking block (the
+        reply begins with thoughts, which no grammar here describes)."""
+        assert self.engine is not None
+        model = self.engine.model
+        if request.tool_choice not in ("required", "function") or request.grammar is not None:
+            return None
+        if opens_thinking("".join(map(model.token_text, prompt[-4:]))):
+            return None
+        kind = format_for(self.chat_format.template or model.chat_template() or "")
+        parallel = request.parallel_tool_calls
+        lark = call_grammar(
+            kind, request.offered_tools(), parallel, lambda t: lark_literal(model, t)
+        )
+        grammar = Grammar.lark(lark, "tool_calls")
+        grammar.check(model)  # UserError: a parameters schema llguidance cannot match
+        return grammar
 
     def _marker_token(self, text: str) -> list[int]:
         """The token that is `text` in the target's vocabulary, if one is ([] if it takes
@@ -752,6 +774,13 @@ class Api:
         except UserError as err:  # a chat template llama.cpp does not know, say
             raise ApiError(str(err)) from None
         reply, shown = service.reply_parser(parsed, prompt) if endpoint.chat else (None, set())
+        if endpoint.chat:
+            try:
+                tools = await asyncio.to_thread(service.tool_grammar, parsed, prompt)
+            except UserError as err:
+                raise ApiError(str(err), param="tools") from None
+            if tools is not None:
+                parsed = replace(parsed, grammar=tools)
         return service.admit(parsed, prompt, reply, frozenset(shown))
 
     async def _watch_disconnect(self, request: Request, job: Job) -> None:

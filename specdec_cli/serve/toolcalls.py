@@ -19,9 +19,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec_cli.decoding.grammar import JSON_WHITESPACE
 from specdec_cli.decoding.textstream import tail_starting
 
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
@@ -146,3 +148,53 @@ def _calls(value: Any) -> list[ToolCall]:
             arguments = json.dumps(arguments, ensure_ascii=False)
         calls.append(ToolCall(item["name"], arguments))
     return calls
+
+
+def call_grammar(
+    kind: str, tools: list[dict[str, Any]], parallel: bool, marker: Callable[[str], str]
+) -> str:
+    """Lark for llguidance (see decoding/grammar.py): a reply that is nothing but calls of
+    `tools`, in the format `kind`, as this parser reads them; at most one unless
+    `parallel`. Each call's arguments follow its function's parameter schema.
+    `marker(text)`: a marker in Lark (a special token where the vocabulary has one)."""
+    arguments = "parameters" if kind == LLAMA3 else "arguments"
+    # llama.cpp's whitespace between JSON tokens (llguidance's default has no limit)
+    spacing = {"whitespace_pattern": JSON_WHITESPACE}
+    calls = [_call_schema(tool["function"], arguments) for tool in tools]
+    call = {"anyOf": calls, "x-guidance": spacing}
+    many: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
+    if not parallel:
+        many["maxItems"] = 1
+    if kind == HERMES:
+        opening, closing = marker("<tool_call>"), marker("</tool_call>")
+        repeat = "+" if parallel else ""
+        return (
+            f"start: (call NL?){repeat}\n"
+            f"call: {opening} NL? %json {json.dumps(call)} NL? {closing}\n"
+            "NL: /\\n/\n"
+        )
+    if kind == MISTRAL:
+        many["x-guidance"] = spacing
+        return f"start: {marker('[TOOL_CALLS]')} %json {json.dumps(many)}\n"
+    if kind == LLAMA3:
+        return f"start: %json {json.dumps(call)}\n"
+    generic = {
+        "type": "object",
+        "properties": {"tool_calls": many},
+        "required": ["tool_calls"],
+        "additionalProperties": False,
+        "x-guidance": spacing,
+    }
+    return f"start: %json {json.dumps(generic)}\n"
+
+
+def _call_schema(function: dict[str, Any], arguments: str) -> dict[str, Any]:
+    parameters = function.get("parameters")
+    if not isinstance(parameters, dict) or not parameters:
+        parameters = {"type": "object"}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": function["name"]}, arguments: parameters},
+        "required": ["name", arguments],
+        "additionalProperties": False,
+    }
