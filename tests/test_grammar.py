@@ -558,3 +558,15 @@ def test_hermes_markers_that_are_control_tokens(tool_model: Path) -> None:  # no
     parser.feed(written)
     (call,) = parser.finish().calls
     assert (call.name, json.loads(call.arguments)) == ("get_weather", {"city": "Paris"})
+
+
+def test_bench_under_a_schema(target_model: Path, tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["-m", str(target_model), "-d", "ngram", "-k", "2", "--tree", "off", "-n", "16"]
+    args += ["--repeat", "1", "-t", "1", "-j", json.dumps(SCHEMA), "--json", str(out)]
+    result = specdec("bench", *args)
+    assert result.returncode == 0, result.stderr
+    assert "under a grammar (json schema)" in result.stdout
+    figures = json.loads(out.read_text())
+    assert json.loads(figures["settings"]["grammar"]["text"]) == SCHEMA
+    assert figures["runs"][0]["acceptance_rate"] > 0.5  # forced keys, certain

@@ -318,6 +318,9 @@ def run_bench(
         measured.append(measure(reps=5))
     costs = costmodel.median_costs(measured)
     sampling = {"sampling": asdict(engine.options.sampling), "seed": seed}
+    grammar = engine.options.grammar
+    if grammar is not None:  # --grammar, --json-schema: what every run's output followed
+        sampling["grammar"] = {"kind": grammar.kind, "text": grammar.text}
     setup = {**engine.describe(), **sampling, **environment()}
     return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn, setup)
 

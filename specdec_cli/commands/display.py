@@ -255,6 +255,9 @@ def print_bench(report: BenchReport) -> None:
         warn(message)
     rows = bench_rows(figures)
     settings = f"settings: -fa {report.flash_attn}, {sampling_flags(figures['settings'])}"
+    grammar = figures["settings"].get("grammar")
+    if grammar:
+        settings += f", under a grammar ({grammar['kind'].replace('_', ' ')})"
     c = report.costs
     costs = (
         f"costs: target {c.target_seconds * 1e3:.2f} ms/token, "
