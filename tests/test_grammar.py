@@ -570,3 +570,30 @@ def test_bench_under_a_schema(target_model: Path, tmp_path: Path) -> None:
     figures = json.loads(out.read_text())
     assert json.loads(figures["settings"]["grammar"]["text"]) == SCHEMA
     assert figures["runs"][0]["acceptance_rate"] > 0.5  # forced keys, certain
+
+
+@pytest.mark.parametrize("k", ["1", "3"])
+def test_greedy_translated_draft_under_a_schema(
+    target_model: Path, other_vocab_model: Path, schema_reference, k: str
+) -> None:
+    """A draft of another vocabulary draws without the mask (its tokens are not the
+    target's); its translated guesses are cut where the grammar forbids, and the text is
+    constrained target-only's."""
+    with open_engine(target_model, other_vocab_model, k, tree="off") as engine:
+        out, stats = run(engine, engine.make_decoder("model", k), Grammar.json_schema(SCHEMA))
+    assert out == schema_reference[0]
+    assert stats.proposed_by["model"] > 0
+
+
+def test_sampled_translated_draft_matches_constrained_target(
+    target_model: Path, other_vocab_model: Path, constrained_baseline: np.ndarray
+) -> None:
+    """Its q, over the texts both vocabularies share, unmasked: rejection sampling against
+    the masked target is exact with any q the draft token was drawn from."""
+    grammar = Grammar.gbnf(NO_R)
+    with open_engine(target_model, other_vocab_model, 3, SAMPLING, tree="off") as engine:
+        decoder = engine.make_decoder("model", "3")
+        speculative = first_tokens(engine, decoder, grammar, range(N_RUNS, 2 * N_RUNS))
+        _, stats = run(engine, decoder, grammar, REPEATING_PROMPT, 64)
+    assert stats.proposed_by["model"] > 0
+    assert min(alike(constrained_baseline, speculative)) > 1e-3
