@@ -13,7 +13,10 @@ rule; a sampled draft is never cut, which would bias the text.
 
 The matcher advances only on emitted tokens. The masks of the draft's positions are
 found by trying the draft's tokens and rolling back (`Constraint.push`, `undo`): while
-drafting, and again along the path the verifier walks.
+drafting, and again along the path the verifier walks. Tokens the grammar forces (a
+key's letters) are drafted as they are, at probability 1, with no draft call; a lookup's
+guesses are cut at the first token the grammar forbids (a deterministic guess may be).
+A round under a grammar drafts a chain: a tree's branches would each need a matcher.
 
 libllama's own GBNF sampler is not used: it checks every candidate (11-79 ms a position
 on real vocabularies), aborts the process when a token it rejects is accepted, and has
@@ -47,8 +50,9 @@ JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 @dataclass(frozen=True)
 class Grammar:
     """A constraint as the user gave it: `kind` "gbnf" (llama.cpp's GBNF, or Lark),
-    "json_schema", or "json_object" (any JSON object); `text` the grammar or the schema.
-    `compiled` is llguidance's grammar for it (see compile)."""
+    "json_schema", "json_object" (any JSON object) or "lark" (llguidance's Lark, as
+    serve's tool calls write it); `text` the grammar or the schema, `compiled`
+    llguidance's grammar for it."""
 
     kind: str
     text: str
@@ -56,6 +60,7 @@ class Grammar:
 
     @classmethod
     def gbnf(cls, text: str) -> Grammar:
+        """llama.cpp's GBNF (a grammar already in Lark is taken as it is)."""
         if not text.strip():
             raise UserError("the grammar is empty")
         try:
@@ -98,10 +103,11 @@ class Grammar:
     def check(self, model: Model) -> None:
         """Raise UserError, in one line, if the grammar is not one llguidance can match
         over `model`'s vocabulary."""
-        message = llguidance.LLMatcher.validate_grammar(self.compiled, tokenizer(model))
-        if message:
+        matcher = llguidance.LLMatcher
+        failed, messages = matcher.validate_grammar_with_warnings(self.compiled, tokenizer(model))
+        if failed:  # (warnings, such as unsupported keywords ignored, are not errors)
             what = "JSON schema" if self.kind.startswith("json") else "grammar"
-            raise UserError(f"the {what} is not valid: {_one_line(message)}")
+            raise UserError(f"the {what} is not valid: {_one_line(messages[0])}")
 
     def start(self, model: Model) -> Constraint:
         """A generation's matcher, at the start of its output."""
