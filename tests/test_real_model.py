@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import openai
 import pytest
+from conftest import MODERATE_COSTS, pin_costs
 from ggufgen import set_u32
 from test_cli_run import specdec
 from test_server import start
@@ -52,12 +53,15 @@ QUICK = ("-fa", "off", "--tree", "off", "-k", "4")
 
 @pytest.fixture(scope="module")
 def engine(gemma3: Path) -> Iterator[Engine]:
-    """Gemma, greedy, with n-gram lookup: its decoders run it alone or with the lookup."""
+    """Gemma, greedy, with n-gram lookup: its decoders run it alone or with the lookup.
+    -k auto priced with pinned costs: measuring Gemma's (tested elsewhere) took 13-25 s
+    of the first auto test here, and what is tested is the text, whatever the lengths."""
     drafting = DraftOptions(k="auto", tree="off")
     options = EngineOptions(
         target=gemma3, ngram=True, sampling=GREEDY, flash_attn="off", drafting=drafting
     )
-    with Engine(options) as engine:
+    with pytest.MonkeyPatch.context() as patch, Engine(options) as engine:
+        pin_costs(patch, MODERATE_COSTS)
         yield engine
 
 
