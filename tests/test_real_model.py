@@ -25,6 +25,7 @@ from test_cli_run import specdec
 from test_server import start
 
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
@@ -207,3 +208,28 @@ def test_serve_with_the_openai_client(gemma3: Path, tmp_path: Path) -> None:
         assert server.stop() == 0, server.output()
     fallback = [line for line in server.output().splitlines() if "no chat template" in line]
     assert len(fallback) == 1 and "chatml" in fallback[0] and "--chat-template" in fallback[0]
+
+
+def logprobs_of(engine: Engine, prompt: str, kind: str | None, k: str) -> list:
+    """Each emitted token's log-probability (and top 5), greedy."""
+    decoder, out = engine.make_decoder(kind, k), []
+    rounds = decoder.generate(
+        engine.tokenize(prompt), N, np.random.default_rng(0), Stats(), GREEDY, LogprobOptions(5)
+    )
+    for new in rounds:
+        out += new.logprobs or []
+    return out
+
+
+def test_log_probabilities_are_the_targets_within_the_tie_tolerance(engine: Engine) -> None:
+    """On the K-quant Gemma, a token's log-probability read from its verification row
+    equals the target-only run's for the same text, within what a batch's shape moves a
+    logit here (the texts may part at a near-tie: compared up to there)."""
+    drafted = logprobs_of(engine, COPY_PROMPT, "ngram", "4")
+    alone = logprobs_of(engine, COPY_PROMPT, None, "0")
+    same = 0
+    while same < min(len(drafted), len(alone)) and drafted[same].token == alone[same].token:
+        same += 1
+    assert same >= 16
+    gaps = [abs(d.logprob - a.logprob) for d, a in zip(drafted[:same], alone[:same], strict=True)]
+    assert max(gaps) <= TIE_TOLERANCE, max(gaps)
