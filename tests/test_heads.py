@@ -469,7 +469,8 @@ def eagle3_drafts(ka: Eagle3KnownAnswer, tokens: list[int], k: int) -> list[int]
     return [int(ka.answer[tokens[-2]])] * k if len(tokens) > 1 else []
 
 
-def open_eagle3(target: Path, head: Path, k: int | str, **options) -> Engine:
+def open_with_head_file(target: Path, head: Path, k: int | str, **options) -> Engine:
+    """`-d HEAD.gguf`: an EAGLE-3 file, or an MTP sidecar."""
     return Engine(
         EngineOptions(
             target=target,
@@ -489,7 +490,7 @@ def test_eagle3_drafts_what_its_tables_say(eagle3_pair, k: int) -> None:
     """`-d EAGLE3.gguf` drafts through the target's layer inputs: the output is the
     target's own cycle, and its acceptance what the tables say."""
     target, head, ka = eagle3_pair
-    with open_eagle3(target, head, k) as engine:
+    with open_with_head_file(target, head, k) as engine:
         assert engine.decoder.drafter.name == "eagle3"
         prompt = engine.tokenize(PROMPT)
         out, stats = generate(engine, n=48)
@@ -507,7 +508,7 @@ def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypa
         "before",
         lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
     )
-    with open_eagle3(target, head, 1) as engine:
+    with open_with_head_file(target, head, 1) as engine:
         stats = generate(engine, n=32)[1]
     assert stats.drafted > 0 and stats.accepted == 0
 
@@ -516,7 +517,7 @@ def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypa
 def test_llama_cpp_eagle3_accepts_what_the_tables_say_too(eagle3_pair, k: int) -> None:
     target, head, ka = eagle3_pair
     counts = llama_cpp_counts(target, k, "--spec-type", "draft-eagle3", "-md", str(head))
-    with open_eagle3(target, head, k) as engine:
+    with open_with_head_file(target, head, k) as engine:
         prompt = engine.tokenize(PROMPT)
     assert counts == llama_cpp_rounds(ka.succ, partial(eagle3_drafts, ka), prompt, 48, k)
 
@@ -589,18 +590,7 @@ def test_an_mtp_sidecar_drafts_as_the_models_own_head(
     sidecar = write_mtp_sidecar(tmp_path / "mtp-known-answer.gguf", path)
     with open_engine(path, 3, head=False) as own:
         prompt = own.tokenize(PROMPT)
-    engine = Engine(
-        EngineOptions(
-            target=path,
-            draft=sidecar,
-            ngram=False,
-            n_ctx=256,
-            threads=1,
-            flash_attn="off",
-            drafting=DraftOptions(k="3", tree="off"),
-        )
-    )
-    with engine:
+    with open_with_head_file(path, sidecar, 3) as engine:
         assert engine.decoder.drafter.name == "mtp"
         out, stats = generate(engine, n=48)
     tokens = [*prompt, *out]

@@ -320,9 +320,7 @@ JsonSchemaOpt = Annotated[
 ]
 JsonSchemaFileOpt = Annotated[
     Path | None,
-    typer.Option(
-        "--json-schema-file", metavar="FILE", help="--json-schema, read from this file."
-    ),
+    typer.Option("--json-schema-file", metavar="FILE", help="--json-schema, read from this file."),
 ]
 
 
