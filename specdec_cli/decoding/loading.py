@@ -140,8 +140,12 @@ class LoadedModels:
         # The workers' devices, before any device is chosen: -dev may name them.
         self.workers = rpc.add_workers(options.rpc) if options.rpc else []
         # A -d file that is a head (EAGLE-3, or an MTP sidecar), not a model of its own.
-        head_kind, head_file = head_of_file(options)
-        pairing = check_models(options.target, None if head_kind else draft_path)
+        # Each header read once: a large vocabulary's takes a fifth of a second.
+        target_file = gguf_meta.read_gguf(options.target)
+        draft_file = gguf_meta.read_gguf(draft_path) if draft_path else None
+        head_kind = head_of_file(target_file, draft_file)
+        head_file = draft_file if head_kind else None
+        pairing = check_models(target_file, None if head_kind else draft_file)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -149,7 +153,7 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
-        uses_head = head_kind is None and wants_head(options)
+        uses_head = head_kind is None and wants_head(options, target_file)
         target_params = replace(target_params, load_mtp=uses_head)
         draft_params = replace(_draft_params(options, repack), load_mtp=head_kind == "mtp")
         self._owned: list[Model | Context | HeadContext] = []
@@ -436,39 +440,37 @@ def batch_warnings(options: EngineOptions) -> list[str]:
     ]
 
 
-def head_of_file(options: EngineOptions) -> tuple[str | None, GGUFFile | None]:
-    """Where the -d file is a head, not a model of its own: its kind ("eagle3": drafting
-    through the target's layer inputs; "mtp": an MTP sidecar, the block alone) and its
-    header, checked against the target in one line. (None, None) otherwise."""
-    if options.draft is None:
-        return None, None
-    head = gguf_meta.read_gguf(options.draft)
-    kind = EAGLE3 if head.architecture == EAGLE3 else "mtp" if is_mtp_sidecar(head) else None
+def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> str | None:
+    """Where the -d file is a head, not a model of its own, its kind ("eagle3": drafting
+    through the target's layer inputs; "mtp": an MTP sidecar, the block alone), checked
+    against the target in one line. None otherwise."""
+    if draft is None:
+        return None
+    kind = EAGLE3 if draft.architecture == EAGLE3 else "mtp" if is_mtp_sidecar(draft) else None
     if kind is None:
-        return None, None
-    target = gguf_meta.read_gguf(options.target)
-    problem = eagle3_problem(target, head) if kind == EAGLE3 else sidecar_problem(target, head)
+        return None
+    problem = eagle3_problem(target, draft) if kind == EAGLE3 else sidecar_problem(target, draft)
     if problem:
-        raise UserError(f"{options.draft.name} cannot draft for {options.target.name}: {problem}")
-    return kind, head
+        raise UserError(f"{draft.path.name} cannot draft for {target.path.name}: {problem}")
+    return kind
 
 
-def wants_head(options: EngineOptions) -> bool:
+def wants_head(options: EngineOptions, target: GGUFFile) -> bool:
     """Whether the target's MTP head drafts: where -d mtp asks (refused in one line where
     it cannot), or by default where the target has one (see EngineOptions.head)."""
     if options.head is False:
         return False
-    problem = head_problem(gguf_meta.read_gguf(options.target))
+    problem = head_problem(target)
     if options.head and problem:
         raise UserError(f"-d mtp: {problem}; draft with -d ngram or a draft model instead")
     return problem is None
 
 
-def check_models(target: Path, draft: Path | None) -> compat.CompatReport:
+def check_models(target: GGUFFile, draft: GGUFFile | None) -> compat.CompatReport:
     """Refuse files llama.cpp would choke on, and drafts that cannot pair with the target,
     before loading any weights. The report says whether drafts are translated, and what
     is worth a warning."""
-    files = [gguf_meta.read_gguf(path) for path in (target, draft) if path]
+    files = [file for file in (target, draft) if file]
     for file in files:
         if file.vocab_only:
             raise UserError(compat.vocab_only_message(file))
@@ -477,7 +479,7 @@ def check_models(target: Path, draft: Path | None) -> compat.CompatReport:
     report = compat.check_pair(*(compat.facts_of(file) for file in files))
     if not report.ok:
         raise UserError(
-            f"{draft.name} cannot draft for {target.name}: {report.problems[0]} "
+            f"{draft.path.name} cannot draft for {target.path.name}: {report.problems[0]} "
             "(run `specdec check -m TARGET -d DRAFT` for the full report)"
         )
     return report
