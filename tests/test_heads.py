@@ -8,7 +8,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -26,6 +25,7 @@ from ggufgen import (
     write_qwen35_model,
 )
 from scipy.stats import chi2_contingency
+from test_cli_run import specdec
 from test_decode import N_FIRST, PROMPT, SAMPLING, contingency, first_tokens
 
 from specdec_cli.decoding.decode import step
@@ -251,15 +251,8 @@ def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
     assert min(controls) < 1e-3
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    code = "from specdec_cli.__main__ import main\nmain()\n"
-    return subprocess.run(
-        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=120
-    )
-
-
 def test_run_uses_the_head_by_default_and_says_so(mtp_model: Path) -> None:
-    result = run_cli(
+    result = specdec(
         "run",
         "-m",
         str(mtp_model),
@@ -366,14 +359,14 @@ def test_known_answer_head_without_states_accepts_nothing(known_answer, monkeypa
 
 
 def test_info_and_check_say_what_the_head_reads(mtp_model: Path, target_model: Path) -> None:
-    info = run_cli("info", str(mtp_model))
+    info = specdec("info", str(mtp_model))
     assert info.returncode == 0, info.stderr
     assert "drafting head: MTP, 1 block(s) (2), reading the output of layer 1" in info.stdout
-    check = run_cli("check", "-m", str(mtp_model), "-d", "mtp", "--json")
+    check = specdec("check", "-m", str(mtp_model), "-d", "mtp", "--json")
     assert check.returncode == 0, check.stderr
     record = json.loads(check.stdout)
     assert (record["method"], record["heads"], record["reads_layers"]) == ("mtp", 1, [1])
-    refused = run_cli("check", "-m", str(target_model), "-d", "mtp")
+    refused = specdec("check", "-m", str(target_model), "-d", "mtp")
     assert refused.returncode == 1
     assert "has no MTP layers" in refused.stdout
 
@@ -389,14 +382,14 @@ def test_an_impossible_head_is_refused_in_one_line(
     target_model: Path, draft_model: Path, args: list[str], message: str
 ) -> None:
     args = [str(draft_model) if a == "DRAFT" else a for a in args]
-    result = run_cli("run", "-m", str(target_model), *args, "-p", "Once", "-n", "4")
+    result = specdec("run", "-m", str(target_model), *args, "-p", "Once", "-n", "4")
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_a_head_refuses_a_tree(mtp_model: Path) -> None:
-    result = run_cli("run", "-m", str(mtp_model), "--tree", "8", "-p", "Once", "-n", "4")
+    result = specdec("run", "-m", str(mtp_model), "--tree", "8", "-p", "Once", "-n", "4")
     assert result.returncode == 2
     assert "a drafting head drafts chains" in result.stderr
 
@@ -529,13 +522,13 @@ def test_an_eagle3_head_for_another_target_is_refused(eagle3_pair, target_model:
     """Made for a 512-wide target, offered to the 64-wide test target: one line, before
     anything loads; `specdec check` says the same, and says what fits."""
     target, head, _ = eagle3_pair
-    result = run_cli("run", "-m", str(target_model), "-d", str(head), "-p", "Once", "-n", "4")
+    result = specdec("run", "-m", str(target_model), "-d", str(head), "-p", "Once", "-n", "4")
     assert result.returncode == 2
     assert "was made for a hidden size of 512" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
-    refused = run_cli("check", "-m", str(target_model), "-d", str(head))
+    refused = specdec("check", "-m", str(target_model), "-d", str(head))
     assert refused.returncode == 1 and "was made for a hidden size of 512" in refused.stdout
-    fits = run_cli("check", "-m", str(target), "-d", str(head), "--json")
+    fits = specdec("check", "-m", str(target), "-d", str(head), "--json")
     assert fits.returncode == 0, fits.stdout + fits.stderr
     record = json.loads(fits.stdout)
     assert (record["method"], record["reads_layers"], record["problem"]) == (
@@ -600,6 +593,6 @@ def test_an_mtp_sidecar_drafts_as_the_models_own_head(
     assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
     expected = expected_rounds(ka.succ, partial(head_drafts, ka), prompt, 48, 3, stats)
     assert (stats.drafted, stats.accepted) == expected
-    result = run_cli("run", "-m", str(mtp_model), "-d", str(sidecar), "-p", "Once", "-n", "4")
+    result = specdec("run", "-m", str(mtp_model), "-d", str(sidecar), "-p", "Once", "-n", "4")
     assert result.returncode == 2
     assert "reads a hidden state of 1024" in result.stderr
