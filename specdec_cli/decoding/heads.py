@@ -66,9 +66,7 @@ class HeadDrafter(ModelDrafter):
         # Rows up to the last token, which the target has not decoded yet (it comes first
         # in the verification), but whose state before it the last verification gave.
         n_keep = head.rewind(min(common_prefix(head.tokens, read), head.fed, len(read) - 1))
-        states = self.states.before(n_keep + head.shift, len(tokens))
-        if head.kind == "eagle3":
-            states = head.encode(states)
+        states = head.states_for(self.states.before(n_keep + head.shift, len(tokens)))
         head.stage(read[n_keep:], hidden=states)
         head.fed = len(read)
         self.states.forget_before(last)
@@ -76,7 +74,7 @@ class HeadDrafter(ModelDrafter):
         draft = Draft(source=self.name, calls=1)
         need_confidence = keep_drafting is not None
         for depth in range(k):
-            logits = head.logits()[: self.n_vocab]
+            logits = head.logits()  # the target's vocabulary (EAGLE-3's mapped by d2t)
             ids, probs, dists = self.children(logits, rng, 1, need_confidence, last + 1 + depth)
             if keep_drafting and not keep_drafting(depth, probs[0]):
                 break

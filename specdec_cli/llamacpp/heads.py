@@ -32,13 +32,25 @@ from llama_cpp import llama_cpp_ext
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import FLASH_ATTN, Context, Model
 
-_FLOAT_P = ctypes.POINTER(ctypes.c_float)
-
 
 def _floats(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
     """A numpy view of the floats at `ptr`, through a ctypes array type made once (making
     one a call, as np.ctypeslib.as_array does, costs tens of microseconds)."""
     return np.frombuffer(row_type.from_address(ctypes.addressof(ptr.contents)), np.float32)
+
+
+class _RowPointer:
+    """A llama_embd for one row of a float32 array, passed by value: one struct whose data
+    pointer is rewritten in place for each row (a ctypes.cast and a struct a row cost
+    more than the call that takes them)."""
+
+    def __init__(self, width: int) -> None:
+        self.embd = llama_cpp.llama_embd(None, 1, width)
+        self._data = ctypes.c_size_t.from_buffer(self.embd)  # the pointer, at offset 0
+
+    def at(self, rows: np.ndarray, i: int) -> llama_cpp.llama_embd:
+        self._data.value = rows.ctypes.data + i * rows.strides[0]
+        return self.embd
 
 
 class HiddenStates:
@@ -155,7 +167,12 @@ class HeadContext:
         its size, threads and flash attention; `model`: an EAGLE-3 file, or an MTP
         sidecar (a file of the MTP block alone), None for the target's own MTP head."""
         self.kind = kind
-        self.shift = 1 if kind == "eagle3" else 0
+        eagle3 = kind == "eagle3"
+        self.shift = 1 if eagle3 else 0
+        # EAGLE-3's graph computes logits for every row (no selection of the rows asked
+        # for), and llama.cpp then keeps the first n_outputs: each row must ask, or the
+        # last row's place reads the first row's logits.
+        self.logits_every_row = eagle3
         model = model or target.model
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
@@ -242,7 +259,7 @@ class HeadContext:
     def flush(self) -> int:
         return self._shared.flush(self.model.path.name)
 
-    def decode(self, tokens: Sequence[int], pos: int, n_logits: int = 1) -> None:
+    def decode(self, tokens: Sequence[int], pos: int) -> None:
         """Evaluate `tokens` at positions pos, pos + 1, ... with zero hidden states (the
         cost measurements' filler), a batch at a time."""
         assert pos == len(self.tokens)
@@ -250,14 +267,17 @@ class HeadContext:
             self.stage(tokens[start : start + self.n_batch])
             self.flush()
 
-    def logits(self, i: int = -1) -> np.ndarray:
+    def logits(self) -> np.ndarray:
         """The last flush's logits for this slot's last staged token (a view)."""
         return _floats(self._shared.logit_row, llama_cpp.llama_get_logits_ith(self.ptr, self._out))
 
-    def encode(self, features: np.ndarray) -> np.ndarray:
-        """An EAGLE-3 head's reading of the target's layer inputs, a row each (its
-        encoder: an extra call, which its own memory does not see)."""
-        return self._shared.encode(self.seq, len(self.tokens), features)
+    def states_for(self, rows: np.ndarray) -> np.ndarray:
+        """The head's states for rows of the target's: an MTP head reads them as they are;
+        an EAGLE-3 head its encoder's reading of the target's layer inputs (an extra call,
+        which its own memory does not see)."""
+        if self.kind != "eagle3":
+            return rows
+        return self._shared.encode(self.seq, len(self.tokens), rows)
 
     def hidden(self) -> np.ndarray:
         """The head's own hidden state after that token: what it reads for the next."""
@@ -304,16 +324,12 @@ class _HeadShared:
         self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (text: the first)
         self.logit_row = ctypes.c_float * n_vocab
         self.state_row = ctypes.c_float * n_embd
-        # One row's hidden state, passed by value: its data pointer is rewritten in place
-        # for each row (a ctypes.cast and a struct a row cost more than the call).
-        self._embd = llama_cpp.llama_embd(None, 1, n_embd)
-        self._embd_data = ctypes.c_size_t.from_buffer(self._embd)  # the pointer, at offset 0
+        self._state = _RowPointer(n_embd)
+        self._feature: _RowPointer | None = None  # made at the first encode (its width)
 
     def stage(self, slot: HeadContext, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
         """Add the rows to the batch now: llama.cpp copies each row's hidden state."""
-        batch, place, embd, embd_data = self.batch, self._pos, self._embd, self._embd_data
-        row_bytes = hidden.strides[0]
-        base = hidden.ctypes.data
+        batch, place = self.batch, self._pos
         last = len(tokens) - 1
         for i, token in enumerate(tokens):
             idx = llama_cpp.llama_batch_ext_add_token(batch, slot.seq, token)
@@ -321,12 +337,8 @@ class _HeadShared:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
             place[0] = pos + i
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
-            embd_data.value = base + i * row_bytes
-            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, embd)
-            if i == last or slot.kind == "eagle3":
-                # EAGLE-3's graph computes logits for every row (no selection of the rows
-                # asked for), and llama.cpp then keeps the first n_outputs: ask for all,
-                # or the last row's place reads the first row's logits.
+            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
+            if i == last or slot.logits_every_row:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
                 slot._out = idx
         self.staged.append(slot)
@@ -338,14 +350,13 @@ class _HeadShared:
         them to follow the sequence's memory (from `pos`)."""
         features = np.ascontiguousarray(features, np.float32)
         out = np.empty((len(features), self.n_embd), np.float32)
-        batch, row_bytes, width = self.encoder_batch, features.strides[0], features.shape[1]
+        batch = self.encoder_batch
+        if self._feature is None:
+            self._feature = _RowPointer(features.shape[1])
         for start in range(0, len(features), self.n_ubatch):
             stop = min(start + self.n_ubatch, len(features))
             for i in range(start, stop):
-                address = ctypes.cast(features.ctypes.data + i * row_bytes, _FLOAT_P)
-                idx = llama_cpp.llama_batch_ext_add_embd(
-                    batch, seq, llama_cpp.llama_embd(address, 1, width)
-                )
+                idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, self._feature.at(features, i))
                 self._pos[0] = pos + i
                 llama_cpp.llama_batch_ext_set_pos(batch, idx, self._pos)
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
@@ -368,7 +379,7 @@ class _HeadShared:
         llama_cpp.llama_batch_ext_clear(self.batch)
         self.staged, self.n_staged = [], 0
         if status != 0:
-            raise RuntimeError(f"{name}: the MTP head's decode failed with status {status}")
+            raise RuntimeError(f"{name}: the drafting head's decode failed with status {status}")
         for slot in staged:
             slot.decode_seconds += seconds
             slot.decode_calls += 1
