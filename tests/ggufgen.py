@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -916,14 +916,43 @@ class Eagle3KnownAnswer:
     answer: np.ndarray  # what the head drafts after reading token t's state
 
 
+def _cycle_target(
+    folder: Path,
+    vocab: Vocab,
+    hp: HParams,
+    rng: np.random.Generator,
+    good_fraction: float,
+    temper: float = 0.0,
+) -> tuple[Path, Eagle3KnownAnswer]:
+    """A llama target of shape `hp` whose every layer's input at a position is that
+    position's token: one-hot embeddings (token t in dimension t) and blocks that add
+    nothing. Its output maps t to succ(t), a cycle through the text pieces (see _answers
+    for `temper`): greedy, it writes the cycle. With it, the answers a head gives: for a
+    good token a, succ(succ(a)); for the rest succ(succ(succ(a)))."""
+    n_vocab = len(vocab)
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
+    cycle = rng.permutation(normal)
+    succ = np.full(n_vocab, cycle[0])
+    succ[cycle] = np.roll(cycle, -1)
+    good = rng.random(n_vocab) < good_fraction
+    answer = np.where(good, succ[succ], succ[succ[succ]])
+    target = llama_tensors(hp, vocab, int(rng.integers(1 << 30)))
+    target["token_embd.weight"] = np.eye(n_vocab, hp.n_embd, dtype=np.float32)
+    for layer in range(hp.n_layer):
+        target[f"blk.{layer}.attn_output.weight"][:] = 0.0
+        target[f"blk.{layer}.ffn_down.weight"][:] = 0.0
+    target["output.weight"] = np.zeros((n_vocab, hp.n_embd), np.float32)
+    target["output.weight"][:, :n_vocab] = _answers(rng, succ, normal, temper, hp.n_embd)
+    path = write_gguf(folder / "target.gguf", llama_metadata(hp, vocab), target)
+    return path, Eagle3KnownAnswer(succ, answer)
+
+
 def write_eagle3_known_answer(
     folder: Path, vocab: Vocab, seed: int, good_fraction: float = 0.75
 ) -> tuple[Path, Path, Eagle3KnownAnswer]:
     """A llama target and an EAGLE-3 head for it whose answers follow from tables:
 
-    - the target: one-hot embeddings (token t in dimension t) and blocks that add nothing,
-      so every layer's input at a position is that position's token; its output maps t to
-      succ(t), a cycle through the text pieces: greedy, it writes the cycle;
+    - the target writes a cycle, every layer's input the token (see _cycle_target);
     - the head (target_layers 0, 1 and 2, the last the final state): its encoder passes
       layer 0's input on, so at position p its state is the token x_p; its block adds
       nothing, and its output maps a good token a to succ(succ(a)), the token after the
@@ -936,21 +965,8 @@ def write_eagle3_known_answer(
     n_vocab = len(vocab)
     n_embd = -(-n_vocab // 64) * 64
     hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
-    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
-    cycle = rng.permutation(normal)
-    succ = np.full(n_vocab, cycle[0])
-    succ[cycle] = np.roll(cycle, -1)
-    good = rng.random(n_vocab) < good_fraction
-    answer = np.where(good, succ[succ], succ[succ[succ]])
-    ids = np.arange(n_vocab)
-    target = llama_tensors(hp, vocab, seed)
-    target["token_embd.weight"] = np.eye(n_vocab, n_embd, dtype=np.float32)
-    for layer in range(hp.n_layer):
-        target[f"blk.{layer}.attn_output.weight"][:] = 0.0
-        target[f"blk.{layer}.ffn_down.weight"][:] = 0.0
-    target["output.weight"] = np.zeros((n_vocab, n_embd), np.float32)
-    target["output.weight"][succ, ids] = 1.0
-    target_path = write_gguf(folder / "target.gguf", llama_metadata(hp, vocab), target)
+    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction)
+    succ, answer, ids = ka.succ, ka.answer, np.arange(n_vocab)
     fc = np.zeros((n_embd, 3 * n_embd), np.float32)
     fc[:, :n_embd] = np.eye(n_embd, dtype=np.float32)  # layer 0's input passed on
     block = llama_block(rng, 0, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, out_scale=0.0)
@@ -990,3 +1006,129 @@ def write_mtp_sidecar(path: Path, model: Path) -> Path:
         if not name.startswith("blk.") or int(name.split(".")[1]) >= n_trunk
     }
     return write_gguf(path, metadata, kept)
+
+
+def write_dflash_known_answer(
+    folder: Path,
+    vocab: Vocab,
+    seed: int,
+    good_fraction: float = 0.75,
+    block_size: int = 16,
+    temper: float = 0.0,
+) -> tuple[Path, Path, Eagle3KnownAnswer]:
+    """A llama target and a DFlash drafter for it whose drafts follow from tables. DFlash
+    decodes a block [last token, mask, mask, ...] at the positions after the text, with
+    attention that sees both ways, into a cache that holds, at each position the target
+    has decoded, keys and values made from the target's layer inputs there: the answer
+    must come through attention. Here, one head as wide as the model, the decision in
+    its last dimension (unrotated), the token's identity in the dimensions from `half`:
+
+    - the target writes a cycle, every layer's input the token (see _cycle_target);
+    - the drafter (target_layers 0 and 1) fuses them into t at half + t. Its first layer
+      is a sliding window of 2: the block's first row (the last token) sees the position
+      before it alone, and takes its token t from there, where tokens score high and the
+      block's rows low. Its second layer sees everything: the masks look for the first
+      row (real tokens score high, the mask low, fused positions nothing) and copy t.
+      Its output maps a good t to succ(succ(t)), the token after the last, a bad one to
+      succ(succ(succ(t))): every row drafts the same, so a round's first draft is right
+      where t is good, its later ones never. Without the target's states the masks
+      copy nothing and draft token 0. Its embeddings are the target's (ctx_other).
+
+    `temper` > 0 softens both outputs for sampling (see _answers).
+    """
+    rng = np.random.default_rng(seed)
+    n_vocab = len(vocab)
+    half = -(-n_vocab // 64) * 64
+    n_embd = 2 * half
+    hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
+    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
+    ids, tokens, fused = np.arange(n_vocab), slice(0, n_vocab), slice(half, half + n_vocab)
+
+    decision = n_embd - 1  # the head's dimension that queries and keys meet in
+    carry = np.zeros((n_embd, n_embd), np.float32)
+    carry[fused, fused] = np.eye(n_vocab, dtype=np.float32)  # t at half + t, passed on
+    fc = np.zeros((n_embd, 2 * n_embd), np.float32)
+    fc[half + ids, ids] = 1.0  # layer 0's input, t, to half + t
+    drafter: dict[str, np.ndarray] = {}
+    for layer in range(2):
+        block = llama_block(rng, layer, n_embd, 1, 1, 64, out_scale=0.0)
+        q, k = np.zeros((n_embd, n_embd), np.float32), np.zeros((n_embd, n_embd), np.float32)
+        q[decision, tokens] = 1.0  # every row asks
+        if layer == 0:
+            k[decision, fused], k[decision, tokens] = 1.0, -1.0  # fused high, block low
+        else:
+            k[decision, tokens] = 1.0  # the real token high, the mask low, fused nothing
+            k[decision, UNK_ID] = -1.0  # the mask token
+        prefix = f"blk.{layer}."
+        block |= {
+            prefix + "attn_q.weight": q,
+            prefix + "attn_k.weight": k,
+            prefix + "attn_v.weight": carry,
+            prefix + "attn_output.weight": carry,
+            prefix + "attn_q_norm.weight": np.ones(n_embd, dtype=np.float32),
+            prefix + "attn_k_norm.weight": np.ones(n_embd, dtype=np.float32),
+        }
+        drafter |= block
+    output = np.zeros((n_vocab, n_embd), np.float32)
+    output[:, fused] = _answers(rng, ka.answer, normal, temper, n_embd)
+    drafter |= {
+        "fc.weight": fc,
+        "enc.output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output.weight": output,
+    }
+    keys = llama_keys(HParams(n_embd=n_embd, n_layer=2, n_head=1, n_head_kv=1, n_ff=64))
+    keys = {k.removeprefix("llama."): v for k, v in keys.items() if k.startswith("llama.")}
+    keys["rope.dimension_count"] = _u32(64)
+    keys["target_layers"] = GGUFValue([0, 1], GGUFValueType.ARRAY, GGUFValueType.INT32)
+    keys["block_size"] = _u32(block_size)
+    keys["attention.sliding_window"] = _u32(2)
+    keys["attention.sliding_window_pattern"] = GGUFValue(
+        [True, False], GGUFValueType.ARRAY, GGUFValueType.BOOL
+    )
+    metadata = with_architecture(llama_metadata(hp, vocab), "dflash", keys)
+    metadata["tokenizer.ggml.mask_token_id"] = _u32(UNK_ID)
+    head_path = write_gguf(folder / "dflash.gguf", metadata, drafter)
+    return target_path, head_path, ka
+
+
+def _answers(
+    rng: np.random.Generator, answer: np.ndarray, normal: np.ndarray, temper: float, n_embd: int
+) -> np.ndarray:
+    """An output layer's columns for one-hot inputs t (scaled to sqrt(n_embd) by the final
+    norm): answer[t] wins. One-hot where `temper` is 0; else the winner's logit is temper
+    over standard normal noise on the text pieces."""
+    n_vocab = len(answer)
+    columns = np.zeros((n_vocab, n_vocab), np.float32)
+    if temper:
+        columns[normal] = rng.standard_normal((len(normal), n_vocab)) / np.sqrt(n_embd)
+        columns[answer, np.arange(n_vocab)] = temper / np.sqrt(n_embd)
+    else:
+        columns[answer, np.arange(n_vocab)] = 1.0
+    return columns
+
+
+def write_random_dflash(
+    path: Path, vocab: Vocab, hp: HParams, layers: list[int], seed: int, n_layer: int = 1
+) -> Path:
+    """A DFlash drafter of random weights for a target of shape `hp`, reading the inputs
+    of its `layers`; the embeddings and output are the target's (through ctx_other)."""
+    rng = np.random.default_rng(seed)
+    n_embd, head_dim = hp.n_embd, hp.n_embd // hp.n_head
+    tensors: dict[str, np.ndarray] = {
+        "fc.weight": random_matrix(rng, n_embd, len(layers) * n_embd),
+        "enc.output_norm.weight": np.ones(n_embd, dtype=np.float32),
+        "output_norm.weight": np.ones(n_embd, dtype=np.float32),
+    }
+    for layer in range(n_layer):
+        tensors |= llama_block(rng, layer, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff)
+        tensors[f"blk.{layer}.attn_q_norm.weight"] = np.ones(head_dim, dtype=np.float32)
+        tensors[f"blk.{layer}.attn_k_norm.weight"] = np.ones(head_dim, dtype=np.float32)
+    keys = llama_keys(replace(hp, n_layer=n_layer))
+    keys = {k.removeprefix("llama."): v for k, v in keys.items() if k.startswith("llama.")}
+    keys["target_layers"] = GGUFValue(layers, GGUFValueType.ARRAY, GGUFValueType.INT32)
+    keys["block_size"] = _u32(16)
+    metadata = with_architecture(llama_metadata(hp, vocab), "dflash", keys)
+    metadata["tokenizer.ggml.mask_token_id"] = _u32(UNK_ID)
+    return write_gguf(path, metadata, tensors)

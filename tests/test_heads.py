@@ -116,28 +116,42 @@ def test_greedy_head_beside_the_lookup(mtp_model: Path, reference: list[int]) ->
     assert stats.proposed_by["mtp"] > 0
 
 
+def run_in_slots(engine: Engine, lengths: list[int]) -> tuple[list[list[int]], list]:
+    """Generations of these lengths from PROMPT, one a slot, stepped together until all
+    are done (the shorter ones finish first): each one's tokens, and the generations."""
+    prompt = engine.tokenize(PROMPT)
+    runs = [
+        engine.decoders[slot].start(prompt, n, np.random.default_rng(0), Stats())
+        for slot, n in enumerate(lengths)
+    ]
+    outs: list[list[int]] = [[] for _ in runs]
+    while not all(g.finished for g in runs):
+        busy = [g for g in runs if not g.finished]
+        step(busy)
+        for i, g in enumerate(runs):
+            if g in busy and g.round:
+                outs[i] += g.round.tokens
+    return outs, runs
+
+
 def test_greedy_head_in_four_slots(mtp_model: Path, reference: list[int]) -> None:
     """Four generations at once, one head context for all: each slot's text is the
     target's alone, started at different times so that their rounds interleave."""
     with open_engine(mtp_model, 3, parallel=4) as engine:
-        prompt = engine.tokenize(PROMPT)
-        runs = [
-            engine.decoders[slot].start(
-                prompt, N_PREDICT - 4 * slot, np.random.default_rng(0), Stats()
-            )
-            for slot in range(4)
-        ]
-        outs: list[list[int]] = [[] for _ in runs]
-        while not all(g.finished for g in runs):
-            busy = [g for g in runs if not g.finished]
-            step(busy)
-            for i, g in enumerate(runs):
-                if g in busy and g.round:
-                    outs[i] += g.round.tokens
+        outs, runs = run_in_slots(engine, [N_PREDICT - 4 * slot for slot in range(4)])
         drafted = sum(g.stats.drafted for g in runs)
     for slot, out in enumerate(outs):
         assert out == reference[: N_PREDICT - 4 * slot]
     assert drafted > 0
+
+
+def without_target_states(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controls: zeros in place of the target's states, for every head."""
+    monkeypatch.setattr(
+        heads.HiddenStates,
+        "before",
+        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
+    )
 
 
 def test_the_head_reads_the_targets_hidden_states(
@@ -148,11 +162,7 @@ def test_the_head_reads_the_targets_hidden_states(
     known-answer model's test shows the states are the right ones)."""
     with open_engine(mtp_model, 3) as engine:
         good = generate(engine)[1]
-    monkeypatch.setattr(
-        heads.HiddenStates,
-        "before",
-        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
-    )
+    without_target_states(monkeypatch)
     with open_engine(mtp_model, 3) as engine:
         blind = generate(engine)[1]
     assert (blind.drafted, blind.accepted) != (good.drafted, good.accepted)
@@ -348,11 +358,7 @@ def test_known_answer_acceptance_follows_from_the_tables(known_answer, k: int) -
 def test_known_answer_head_without_states_accepts_nothing(known_answer, monkeypatch) -> None:
     """The control: with zeros for the target's states, the decoy wins every first step."""
     path, _ = known_answer
-    monkeypatch.setattr(
-        heads.HiddenStates,
-        "before",
-        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
-    )
+    without_target_states(monkeypatch)
     with open_engine(path, 1) as engine:
         stats = generate(engine, n=32)[1]
     assert stats.drafted > 0 and stats.accepted == 0
@@ -466,17 +472,11 @@ def eagle3_drafts(ka: Eagle3KnownAnswer, tokens: list[int], k: int) -> list[int]
 
 
 def open_with_head_file(target: Path, head: Path, k: int | str, **options) -> Engine:
-    """`-d HEAD.gguf`: an EAGLE-3 file, or an MTP sidecar."""
+    """`-d HEAD.gguf`: an EAGLE-3 or DFlash file, or an MTP sidecar."""
+    settings = {"ngram": False, "n_ctx": 256, "threads": 1, "flash_attn": "off"} | options
     return Engine(
         EngineOptions(
-            target=target,
-            draft=head,
-            ngram=False,
-            n_ctx=256,
-            threads=1,
-            flash_attn="off",
-            drafting=DraftOptions(k=str(k), tree="off"),
-            **options,
+            target=target, draft=head, drafting=DraftOptions(k=str(k), tree="off"), **settings
         )
     )
 
@@ -499,11 +499,7 @@ def test_eagle3_drafts_what_its_tables_say(eagle3_pair, k: int) -> None:
 
 def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypatch) -> None:
     target, head, _ = eagle3_pair
-    monkeypatch.setattr(
-        heads.HiddenStates,
-        "before",
-        lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
-    )
+    without_target_states(monkeypatch)
     with open_with_head_file(target, head, 1) as engine:
         stats = generate(engine, n=32)[1]
     assert stats.drafted > 0 and stats.accepted == 0

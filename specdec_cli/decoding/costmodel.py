@@ -84,6 +84,9 @@ class Costs:
     # a draft of another vocabulary, whose tokens are shorter (set by the policy, not
     # measured: see Policy's costs for a drafter).
     calls_per_token: float = 1.0
+    # Draft calls a round pays whatever its length: 1 for a block drafter (DFlash), whose
+    # one call drafts the whole block (set by the policy, as calls_per_token is).
+    calls_per_round: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return {

@@ -193,6 +193,7 @@ class RoundCosts:
         self.target_seconds = t = costs.target_seconds
         self.draft_seconds = costs.draft_over_target * t  # a draft call's
         self.calls_per_token = costs.calls_per_token
+        self.calls_per_round = costs.calls_per_round
         self.verify = costs.verify
         self.switch = costs.switch
         self.other_seconds = 0.0
@@ -204,7 +205,7 @@ class RoundCosts:
         previous round's draft was accepted whole with probability `survive`: then the
         draft model has two tokens to catch up on instead of one (each a target token's
         worth of calls, for a draft of another vocabulary)."""
-        calls = (k + survive) * self.calls_per_token if k else 0.0
+        calls = (k + survive) * self.calls_per_token + self.calls_per_round if k else 0.0
         drafting = calls * self.draft_seconds
         return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
 

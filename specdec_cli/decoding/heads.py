@@ -1,4 +1,4 @@
-"""A drafting head (MTP, EAGLE-3): one more drafter behind the Drafter interface.
+"""A drafting head (MTP, EAGLE-3, DFlash): one more drafter behind the Drafter interface.
 
 It drafts as a draft model does, one token a call, and chooses each token as a draft
 model does (greedy, coupled or sampled, with its own distribution as q: see
@@ -23,7 +23,7 @@ from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import HeadContext, HiddenStates
 from specdec_cli.llamacpp.llama import common_prefix
 
-HEAD_KINDS = ("mtp", "eagle3")  # HeadContext.kind: the drafters' names
+HEAD_KINDS = ("mtp", "eagle3", "dflash")  # HeadContext.kind: the drafters' names
 
 
 class HeadDrafter(ModelDrafter):
@@ -72,20 +72,76 @@ class HeadDrafter(ModelDrafter):
         self.states.forget_before(last)
         yield
         draft = Draft(source=self.name, calls=1)
-        need_confidence = keep_drafting is not None
         for depth in range(k):
-            logits = head.logits()  # the target's vocabulary (EAGLE-3's mapped by d2t)
-            ids, probs, dists = self.children(logits, rng, 1, need_confidence, last + 1 + depth)
-            if keep_drafting and not keep_drafting(depth, probs[0]):
+            # The target's vocabulary (EAGLE-3's mapped by d2t).
+            if not self._take(draft, head.logits(), rng, last + 1 + depth, keep_drafting):
                 break
-            draft.tokens.append(ids[0])
-            if dists[0] is not None:
-                draft.dists.append(dists[0])
-            if need_confidence:
-                draft.confidences.append(probs[0])
             if depth + 1 == k:
                 break
-            head.stage([ids[0]], hidden=head.hidden())
+            head.stage([draft.tokens[-1]], hidden=head.hidden())
             draft.calls += 1
             yield
+        return draft
+
+    def _take(
+        self,
+        draft: Draft,
+        logits: np.ndarray,
+        rng: np.random.Generator,
+        position: int,
+        keep_drafting: KeepDrafting | None,
+    ) -> bool:
+        """Choose the token at `position` from the head's logits for it and add it to the
+        draft, unless the length policy stops here (False)."""
+        need_confidence = keep_drafting is not None
+        ids, probs, dists = self.children(logits, rng, 1, need_confidence, position)
+        if keep_drafting and not keep_drafting(len(draft.tokens), probs[0]):
+            return False
+        draft.tokens.append(ids[0])
+        if dists[0] is not None:
+            draft.dists.append(dists[0])
+        if need_confidence:
+            draft.confidences.append(probs[0])
+        return True
+
+
+class BlockDrafter(HeadDrafter):
+    """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
+
+    Its memory holds, at each position the target has decoded, what it made of the
+    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
+    as its logits are read. Each row's token is chosen from that row's logits alone, as
+    a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
+    choices, so a sampled token is drawn from the q that the verifier is told, given the
+    tokens before it, and rejection sampling stays exact.
+    """
+
+    name = "dflash"
+
+    def drafting(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
+        source: str | None = None,
+    ) -> DraftSteps:
+        """Up to k tokens (the block's size less one at most), a chain."""
+        head, decoded = self.head, len(tokens) - 1  # the last token is not decoded yet
+        k = min(k, head.block_size - 1)
+        if decoded < 1 or k < 1:
+            return Draft(source=self.name)
+        n_keep = head.rewind(min(common_prefix(head.tokens, tokens), head.fed, decoded))
+        # The target's layer inputs at positions n_keep .. decoded - 1.
+        head.inject(tokens[n_keep:decoded], self.states.before(n_keep + 1, decoded + 1))
+        head.fed = decoded
+        self.states.forget_before(decoded)
+        head.stage_block(tokens[-1], k)
+        yield
+        draft = Draft(source=self.name, calls=1)
+        for row in range(1, k + 1):  # the row at position decoded + row
+            if not self._take(draft, head.block_logits(row), rng, decoded + row, keep_drafting):
+                break
+        head.drop_block()
         return draft

@@ -36,12 +36,12 @@ from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
 from specdec_cli.models.gguf_meta import GGUFFile
 from specdec_cli.models.heads import (
-    EAGLE3,
-    eagle3_layers,
-    eagle3_problem,
+    LAYER_READERS,
     head_problem,
     is_mtp_sidecar,
+    layer_reader_problem,
     sidecar_problem,
+    target_layers,
 )
 
 # A translated draft's context holds this many times the target's: the same text can
@@ -216,7 +216,7 @@ class LoadedModels:
         )
         # Each slot's head, and the target's states it reads (recorded from the target's
         # first decode on): its final hidden states, or the layer inputs EAGLE-3 names.
-        layers = eagle3_layers(head_file) if head_kind == EAGLE3 else ()
+        layers = target_layers(head_file) if head_kind in LAYER_READERS else ()
         self.head_slots: list[tuple[HeadContext, HiddenStates]] = (
             [
                 (head, record_hidden_states(slot, layers))
@@ -441,15 +441,17 @@ def batch_warnings(options: EngineOptions) -> list[str]:
 
 
 def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> str | None:
-    """Where the -d file is a head, not a model of its own, its kind ("eagle3": drafting
-    through the target's layer inputs; "mtp": an MTP sidecar, the block alone), checked
-    against the target in one line. None otherwise."""
+    """Where the -d file is a head, not a model of its own, its kind ("eagle3", "dflash":
+    drafting through the target's layer inputs; "mtp": an MTP sidecar, the block alone),
+    checked against the target in one line. None otherwise."""
     if draft is None:
         return None
-    kind = EAGLE3 if draft.architecture == EAGLE3 else "mtp" if is_mtp_sidecar(draft) else None
-    if kind is None:
+    if draft.architecture in LAYER_READERS:
+        kind, problem = draft.architecture, layer_reader_problem(target, draft)
+    elif is_mtp_sidecar(draft):
+        kind, problem = "mtp", sidecar_problem(target, draft)
+    else:
         return None
-    problem = eagle3_problem(target, draft) if kind == EAGLE3 else sidecar_problem(target, draft)
     if problem:
         raise UserError(f"{draft.path.name} cannot draft for {target.path.name}: {problem}")
     return kind

@@ -20,7 +20,7 @@ from specdec_cli.decoding.drafters import (
     TextMemory,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
-from specdec_cli.decoding.heads import HEAD_KINDS, HeadDrafter
+from specdec_cli.decoding.heads import HEAD_KINDS, BlockDrafter, HeadDrafter
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy
@@ -102,7 +102,8 @@ class Policy:
         if not self.models.head_slots:
             raise UserError(f"{self.models.model.path.name} drafts with no head here")
         head, states = self.models.head_slots[slot]
-        return HeadDrafter(head, states, self.models.options.sampling)
+        drafter = BlockDrafter if head.kind == "dflash" else HeadDrafter
+        return drafter(head, states, self.models.options.sampling)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""
@@ -179,9 +180,11 @@ class Policy:
     def _paid_by(self, kind: str, costs: Costs) -> Costs:
         """`costs` as a drafter of this kind pays them: a lookup costs next to nothing;
         a translated draft model takes as many draft calls a target token as its tokens
-        are shorter than the target's."""
+        are shorter than the target's; a block drafter (DFlash) one call a round."""
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
+        if kind.partition("+")[0] == "dflash":
+            return replace(costs, calls_per_token=0.0, calls_per_round=1.0)
         if self.models.translation is not None:
             return replace(costs, calls_per_token=self.models.translation.calls_per_token)
         return costs

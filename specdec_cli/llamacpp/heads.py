@@ -14,8 +14,14 @@ reads a zero hidden state. Slots split it as Context.split splits the target: on
 context serves every slot, and one call decodes every slot's staged rows.
 
 An EAGLE-3 head is the same loop over other states: the inputs of three target layers,
-which its own encoder turns into its state (HeadContext.encode), one position earlier
+which its own encoder turns into its state (HeadContext.states_for), one position earlier
 (its row at p reads the token at p + 1).
+
+A DFlash drafter reads target layer inputs too, but not beside a token: each position
+the target decoded goes into its cache as keys and values made from them (`inject`, a
+decode of feature rows), and one decode of a block [last token, mask, mask, ...], which
+attends both ways, predicts at each mask's row the token at that position (`stage_block`):
+a whole draft a call.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from llama_cpp import llama_cpp_ext
 
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import FLASH_ATTN, Context, Model
+from specdec_cli.models.heads import DFLASH_BLOCK_SIZE
 
 
 def _floats(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
@@ -119,6 +126,14 @@ _get_layer_input = _mangled(
 )
 
 
+def _metadata(model: Model, key: str) -> str | None:
+    """A model's metadata value, as llama.cpp gives it (None: absent)."""
+    buffer = ctypes.create_string_buffer(64)
+    if llama_cpp.llama_model_meta_val_str(model.ptr, key.encode(), buffer, len(buffer)) < 0:
+        return None
+    return buffer.value.decode()
+
+
 def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenStates:
     """Make the target's decode calls keep, for every row, its final hidden state (an
     MTP head's input), or with `layers` the inputs of those layers side by side (an
@@ -154,11 +169,13 @@ class HeadContext:
     may serve several slots. Like a draft model's Context, it holds a prefix of what it
     reads (`tokens`), and `stage` + `flush` decode rows.
 
-    Two kinds: "mtp", the target's own MTP block (a context of type MTP over the target's
-    weights), reading at position p the token at p beside the target's state after p - 1;
-    and "eagle3", an EAGLE-3 draft file (its context borrows the target's embeddings and
-    output through ctx_other), reading at position p the token at p + 1 beside its encoding
-    of the target's layer inputs at p (`encode`): its rows lie one position `shift`ed."""
+    Three kinds: "mtp", the target's own MTP block (a context of type MTP over the
+    target's weights), reading at position p the token at p beside the target's state
+    after p - 1; "eagle3", an EAGLE-3 draft file (its context borrows the target's
+    embeddings and output through ctx_other), reading at position p the token at p + 1
+    beside its encoding of the target's layer inputs at p (`states_for`): its rows lie one
+    position `shift`ed; and "dflash", a DFlash file, fed the target's layer inputs at
+    each position (`inject`), drafting a block a call (`stage_block`)."""
 
     def __init__(
         self, target: Context, n_slots: int, model: Model | None = None, kind: str = "mtp"
@@ -167,12 +184,11 @@ class HeadContext:
         its size, threads and flash attention; `model`: an EAGLE-3 file, or an MTP
         sidecar (a file of the MTP block alone), None for the target's own MTP head."""
         self.kind = kind
-        eagle3 = kind == "eagle3"
-        self.shift = 1 if eagle3 else 0
+        self.shift = 1 if kind == "eagle3" else 0
         # EAGLE-3's graph computes logits for every row (no selection of the rows asked
         # for), and llama.cpp then keeps the first n_outputs: each row must ask, or the
-        # last row's place reads the first row's logits.
-        self.logits_every_row = eagle3
+        # last row's place reads the first row's logits. A DFlash block wants them all.
+        self.logits_every_row = kind in ("eagle3", "dflash")
         model = model or target.model
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
@@ -197,6 +213,12 @@ class HeadContext:
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
         n_embd = llama_cpp.llama_model_n_embd(model.ptr)
         self._shared = _HeadShared(ptr, target.model.n_vocab, n_embd, cparams.n_ubatch)
+        if kind == "dflash":
+            # A block sees itself both ways, unless the file was trained causal.
+            causal = _metadata(model, "dflash.attention.causal") == "true"
+            llama_cpp.llama_set_causal_attn(ptr, causal)
+            self.block_size = int(_metadata(model, "dflash.block_size") or DFLASH_BLOCK_SIZE)
+            self.mask = llama_cpp.llama_vocab_mask(llama_cpp.llama_model_get_vocab(model.ptr))
         self._owner = True
         self.model = model
         self.n_embd = n_embd
@@ -213,6 +235,7 @@ class HeadContext:
         self.fed = 0
         self.decode_seconds = 0.0
         self.decode_calls = 0
+        self._first = -1  # the batch place of this slot's first staged row, after a flush
         self._out = -1  # the batch place of this slot's row with logits, after a flush
 
     def split(self, n: int) -> list[HeadContext]:
@@ -251,10 +274,37 @@ class HeadContext:
         and a head drafts chains."""
         assert parents is None, "a head drafts chains"
         pos = len(self.tokens)
-        if hidden is None:
+        if self.kind == "dflash":
+            hidden = None  # its token rows read no state (an embedding row is a feature)
+        elif hidden is None:
             hidden = np.zeros((len(tokens), self.n_embd), np.float32)
-        self._shared.stage(self, tokens, pos, np.ascontiguousarray(hidden, np.float32))
+        else:
+            hidden = np.ascontiguousarray(hidden, np.float32)
+        self._shared.stage(self, tokens, pos, hidden)
         self.tokens.extend(tokens)
+
+    def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
+        """DFlash: put the target's layer inputs at the positions of `tokens` (after the
+        sequence) into the drafter's cache, now, as llama.cpp's driver does per sequence."""
+        self.decode_seconds += self._shared.embed_rows(self.seq, len(self.tokens), features)
+        self.tokens.extend(tokens)
+
+    def stage_block(self, last: int, k: int) -> None:
+        """DFlash: the block [last, mask x k] at the positions after the sequence, into
+        the next flush; its rows 1 .. k then give the draft's logits (`block_logits`).
+        They stay out of `tokens`: drop_block forgets them."""
+        self._shared.stage(self, [last] + [self.mask] * k, len(self.tokens), None)
+
+    def block_logits(self, row: int) -> np.ndarray:
+        """The last flush's logits at this slot's block row (a view)."""
+        return _floats(
+            self._shared.logit_row, llama_cpp.llama_get_logits_ith(self.ptr, self._first + row)
+        )
+
+    def drop_block(self) -> None:
+        """Forget the staged block's rows (from the end of `tokens`)."""
+        memory = llama_cpp.llama_get_memory(self.ptr)
+        llama_cpp.llama_memory_seq_rm(memory, self.seq, len(self.tokens), -1)
 
     def flush(self) -> int:
         return self._shared.flush(self.model.path.name)
@@ -277,7 +327,9 @@ class HeadContext:
         which its own memory does not see)."""
         if self.kind != "eagle3":
             return rows
-        return self._shared.encode(self.seq, len(self.tokens), rows)
+        out = np.empty((len(rows), self.n_embd), np.float32)
+        self._shared.embed_rows(self.seq, len(self.tokens), rows, out)
+        return out
 
     def hidden(self) -> np.ndarray:
         """The head's own hidden state after that token: what it reads for the next."""
@@ -327,46 +379,64 @@ class _HeadShared:
         self._state = _RowPointer(n_embd)
         self._feature: _RowPointer | None = None  # made at the first encode (its width)
 
-    def stage(self, slot: HeadContext, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
-        """Add the rows to the batch now: llama.cpp copies each row's hidden state."""
+    def stage(
+        self, slot: HeadContext, tokens: Sequence[int], pos: int, hidden: np.ndarray | None
+    ) -> None:
+        """Add the rows to the batch now: llama.cpp copies each row's hidden state (None:
+        token rows alone)."""
         batch, place = self.batch, self._pos
         last = len(tokens) - 1
         for i, token in enumerate(tokens):
             idx = llama_cpp.llama_batch_ext_add_token(batch, slot.seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
+            if i == 0:
+                slot._first = idx
             place[0] = pos + i
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
-            llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
+            if hidden is not None:
+                llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
             if i == last or slot.logits_every_row:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
                 slot._out = idx
         self.staged.append(slot)
         self.n_staged += len(tokens)
 
-    def encode(self, seq: int, pos: int, features: np.ndarray) -> np.ndarray:
-        """The encoder's output for each row of `features`, a ubatch at a time (llama.cpp
-        encodes one ubatch a call). The encoder reads no positions, but llama.cpp wants
-        them to follow the sequence's memory (from `pos`)."""
+    def embed_rows(
+        self, seq: int, pos: int, features: np.ndarray, out: np.ndarray | None = None
+    ) -> float:
+        """Process rows of `features` at positions pos, pos + 1, ..., a ubatch a call, and
+        return the seconds it took. With `out`: EAGLE-3's encoder, whose output for each
+        row goes there (it reads no positions, but llama.cpp wants them to follow the
+        sequence's memory); without: a DFlash decode that puts them into the cache, with
+        no output (positions as llama.cpp's driver gives feature rows: M-RoPE's text
+        three, and 0)."""
         features = np.ascontiguousarray(features, np.float32)
-        out = np.empty((len(features), self.n_embd), np.float32)
-        batch = self.encoder_batch
+        batch, place = self.encoder_batch, self._pos
+        encode = out is not None
+        process = (
+            llama_cpp.LLAMA_PROCESS_TYPE_ENCODE if encode else llama_cpp.LLAMA_PROCESS_TYPE_DECODE
+        )
         if self._feature is None:
             self._feature = _RowPointer(features.shape[1])
+        t0 = time.perf_counter()
         for start in range(0, len(features), self.n_ubatch):
             stop = min(start + self.n_ubatch, len(features))
             for i in range(start, stop):
                 idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, self._feature.at(features, i))
-                self._pos[0] = pos + i
-                llama_cpp.llama_batch_ext_set_pos(batch, idx, self._pos)
-                llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-            status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_ENCODE, batch)
+                place[0] = place[1] = place[2] = pos + i
+                llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
+                llama_cpp.llama_batch_ext_set_output_logits(batch, idx, encode)
+            status = llama_cpp.llama_process(self.ptr, process, batch)
             llama_cpp.llama_batch_ext_clear(batch)
             if status != 0:
-                raise RuntimeError(f"the EAGLE-3 encoder failed with status {status}")
-            rows = _floats(self.encoded, llama_cpp_ext.llama_get_embeddings_nextn(self.ptr))
-            out[start:stop] = rows.reshape(-1, self.n_embd)[: stop - start]
-        return out
+                raise RuntimeError(f"the drafting head's feature rows failed with status {status}")
+            if encode:
+                rows = _floats(self.encoded, llama_cpp_ext.llama_get_embeddings_nextn(self.ptr))
+                out[start:stop] = rows.reshape(-1, self.n_embd)[: stop - start]
+        place[1] = place[2] = 0
+        llama_cpp.llama_synchronize(self.ptr)
+        return time.perf_counter() - t0
 
     def flush(self, name: str) -> int:
         staged, n = self.staged, self.n_staged

@@ -1,12 +1,16 @@
 """Which pairings a drafting head can draft for, read from the files' headers before
 anything loads (llama.cpp aborts the process on a graph it cannot build): a target's own
-MTP ("nextn") head, and an EAGLE-3 file for a target."""
+MTP ("nextn") head, and an EAGLE-3 or DFlash file for a target."""
 
 from __future__ import annotations
 
 from specdec_cli.models.gguf_meta import GGUFFile
 
 EAGLE3 = "eagle3"
+DFLASH = "dflash"
+# The files that draft through a target's layer inputs: their architectures.
+LAYER_READERS = (EAGLE3, DFLASH)
+DFLASH_BLOCK_SIZE = 16  # llama.cpp's default where a file does not say (dflash.block_size)
 # The architectures whose MTP blocks llama.cpp runs as a draft context (those with an
 # LLM_GRAPH_TYPE_DECODER_MTP graph in src/models), by their GGUF names.
 MTP_ARCHITECTURES = frozenset(
@@ -34,12 +38,13 @@ def describe_head(file: GGUFFile) -> dict[str, object]:
     """What `specdec info` and `check` say of a model's own drafting head, or of an
     EAGLE-3 file: the method, how many heads, which target layers' outputs (MTP) or
     inputs (EAGLE-3) each reads, and why it cannot draft."""
-    if file.architecture == EAGLE3:
+    if file.architecture in LAYER_READERS:
         return {
-            "method": EAGLE3,
+            "method": file.architecture,
             "heads": 1,
-            "reads_layers": eagle3_layers(file),
-            "target_hidden_size": file.metadata.get(f"{EAGLE3}.target_hidden_size"),
+            "reads_layers": target_layers(file),
+            "target_hidden_size": file.metadata.get(f"{EAGLE3}.target_hidden_size")
+            or file.embedding_length,
             "blocks": [],
             "problem": None,
         }
@@ -64,6 +69,11 @@ def head_summary(head: dict[str, object]) -> str:
             f"an EAGLE-3 head: reads the inputs of target layers {head['reads_layers']} "
             f"(n_layer: the final state) of a {head['target_hidden_size']}-wide target; "
             "drafts with -d THIS_FILE"
+        )
+    if head["method"] == DFLASH:
+        return (
+            f"a DFlash block drafter: reads the inputs of target layers {head['reads_layers']} "
+            f"of a {head['target_hidden_size']}-wide target; drafts with -d THIS_FILE"
         )
     blocks = ", ".join(str(b) for b in head["blocks"])  # type: ignore[attr-defined]
     line = (
@@ -140,22 +150,29 @@ LAYER_INPUT_ARCHITECTURES = frozenset(
 )
 
 
-def eagle3_layers(head: GGUFFile) -> list[int]:
-    """The target layers whose inputs an EAGLE-3 head reads (n_layer: the final state)."""
-    return [int(i) for i in head.metadata.get(f"{EAGLE3}.target_layers") or []]
+def target_layers(head: GGUFFile) -> list[int]:
+    """The target layers whose inputs an EAGLE-3 or DFlash file reads (n_layer: the
+    final state)."""
+    return [int(i) for i in head.metadata.get(f"{head.architecture}.target_layers") or []]
 
 
-def eagle3_problem(target: GGUFFile, head: GGUFFile) -> str | None:
-    """Why an EAGLE-3 file cannot draft for this target (None: it can)."""
-    name, layers = head.path.name, eagle3_layers(head)
+def layer_reader_problem(target: GGUFFile, head: GGUFFile) -> str | None:
+    """Why an EAGLE-3 or DFlash file cannot draft for this target (None: it can)."""
+    name, layers = head.path.name, target_layers(head)
     n_layer, width = target.n_layers or 0, target.embedding_length
     if target.architecture not in LAYER_INPUT_ARCHITECTURES:
         return f"llama.cpp exposes no layer inputs of a {target.architecture} model to {name}"
-    if len(layers) != 3:
+    if head.architecture == EAGLE3 and len(layers) != 3:
         return f"{name} names {len(layers)} target layers ({EAGLE3}.target_layers), not 3"
+    if not layers:
+        return f"{name} names no target layers ({head.architecture}.target_layers)"
     if max(layers) > n_layer or min(layers) < 0:
         return f"{name} reads layers {layers}, but {target.path.name} has {n_layer}"
-    wanted = head.metadata.get(f"{EAGLE3}.target_hidden_size")
+    # DFlash reads the layers side by side at its own width (llama.cpp: n_embd_inp_enc).
+    is_eagle3 = head.architecture == EAGLE3
+    wanted = (
+        head.metadata.get(f"{EAGLE3}.target_hidden_size") if is_eagle3 else head.embedding_length
+    )
     if wanted != width:
         return f"{name} was made for a hidden size of {wanted}, {target.path.name}'s is {width}"
     output = next((t for t in head.tensors if t.name == "output.weight"), None)
@@ -165,4 +182,26 @@ def eagle3_problem(target: GGUFFile, head: GGUFFile) -> str | None:
             f"{name} predicts {output.shape[-1]} tokens without a map (d2t) to "
             f"{target.path.name}'s {len(target.tokens)}"
         )
+    return dflash_problem(head) if head.architecture == DFLASH else None
+
+
+def dflash_problem(head: GGUFFile) -> str | None:
+    """What in a DFlash file specdec does not drive (None: nothing): its variants with
+    more than a block's logits to read, and a file without the mask token its block is
+    made of (llama.cpp would decode token -1)."""
+    name, names = head.path.name, {t.name for t in head.tensors}
+    if "markov_w1.weight" in names or head.metadata.get(f"{DFLASH}.hyper_connection_count"):
+        return f"{name} is a DSpark drafter; specdec drives plain DFlash files so far"
+    if "selector_hidden.weight" in names:
+        return f"{name} is a DFlash2 drafter (a selector lattice); specdec drives plain DFlash"
+    if head.metadata.get("tokenizer.ggml.mask_token_id") is None:
+        return f"{name} has no mask token (tokenizer.ggml.mask_token_id) to draft a block with"
+    if dflash_block_size(head) < 2:
+        return f"{name} has a block of {dflash_block_size(head)}: nothing to draft"
     return None
+
+
+def dflash_block_size(head: GGUFFile) -> int:
+    """The block a DFlash file was trained on: its last token and up to this less one
+    drafts."""
+    return int(head.metadata.get(f"{DFLASH}.block_size", DFLASH_BLOCK_SIZE))
