@@ -1015,6 +1015,8 @@ def write_dflash_known_answer(
     good_fraction: float = 0.75,
     block_size: int = 16,
     temper: float = 0.0,
+    n_layer: int = 2,
+    n_ff: int = 64,
 ) -> tuple[Path, Path, Eagle3KnownAnswer]:
     """A llama target and a DFlash drafter for it whose drafts follow from tables. DFlash
     decodes a block [last token, mask, mask, ...] at the positions after the text, with
@@ -1034,13 +1036,14 @@ def write_dflash_known_answer(
       where t is good, its later ones never. Without the target's states the masks
       copy nothing and draft token 0. Its embeddings are the target's (ctx_other).
 
-    `temper` > 0 softens both outputs for sampling (see _answers).
+    `temper` > 0 softens both outputs for sampling (see _answers). `n_layer` and `n_ff`
+    make the target as costly as a real model's, for benchmarks.
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
     half = -(-n_vocab // 64) * 64
     n_embd = 2 * half
-    hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
+    hp = HParams(n_embd=n_embd, n_layer=n_layer, n_head=4, n_head_kv=4, n_ff=n_ff, n_ctx_train=1024)
     target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
     ids, tokens, fused = np.arange(n_vocab), slice(0, n_vocab), slice(half, half + n_vocab)

@@ -1,0 +1,53 @@
+"""Build a known-answer model with a drafting head, as costly as a real small model.
+
+`--kind mtp`: a Qwen3.5 target writing a fixed cycle of tokens, whose MTP head predicts
+it right after three tokens in four (tests/ggufgen.py, write_mtp_known_answer).
+`--kind dflash`: a llama target writing a cycle, and a DFlash file beside it whose block
+drafts the right token first after three tokens in four (write_dflash_known_answer).
+Acceptance is known in advance and the same for every tool. The target's blocks add
+nothing to the text but are computed all the same, so --layers and --ffn set what a
+target pass costs (the defaults: about 10-20 ms a token on two CPU cores, a 1-3B
+model's).
+
+    python benchmarks/make_head_model.py [--kind mtp|dflash] [--layers 8] [--ffn 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))  # the test-model generator
+from ggufgen import spm_vocab, write_dflash_known_answer, write_mtp_known_answer  # noqa: E402
+
+OUT = REPO / "benchmarks" / "out"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kind", choices=["mtp", "dflash"], default="mtp")
+    parser.add_argument("--layers", type=int, default=8, help="target layers (8)")
+    parser.add_argument("--ffn", type=int, default=4096, help="target feed-forward width (4096)")
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args()
+    OUT.mkdir(parents=True, exist_ok=True)
+    shape = f"{args.layers} layers, ffn {args.ffn}"
+    if args.kind == "mtp":
+        path = OUT / "mtp-known-answer.gguf"
+        tables = write_mtp_known_answer(
+            path, spm_vocab(), args.seed, n_layer=args.layers, n_ff=args.ffn
+        )
+        print(f"{path}: {shape}, head right after {tables.good.mean():.0%} of tokens")
+        return
+    folder = OUT / "dflash-known-answer"
+    folder.mkdir(exist_ok=True)
+    target, head, _ = write_dflash_known_answer(
+        folder, spm_vocab(), args.seed, n_layer=args.layers, n_ff=args.ffn
+    )
+    print(f"{target} ({shape}), {head}")
+
+
+if __name__ == "__main__":
+    main()
