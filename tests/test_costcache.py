@@ -86,12 +86,15 @@ def test_other_entries_live_beside_the_costs(cache: Path) -> None:
 
 
 def auto_engine(target: Path, draft: Path, threads: int) -> Engine:
+    """-k auto, flash attention fixed: -fa auto's first runs may each choose otherwise
+    (see flashattn.py), and costs are kept per setting."""
     return Engine(
         EngineOptions(
             target=target,
             draft=draft,
             n_ctx=256,
             threads=threads,
+            flash_attn="off",
             sampling=GREEDY,
             drafting=DraftOptions(k="auto", draft_max=4, tree="off"),  # batches up to 5
         )

@@ -165,37 +165,35 @@ FLASH_ATTN_BATCHES = (1, 4)  # a slot's drafting step, and a typical verificatio
 
 def time_decodes(
     contexts: Mapping[str, Sequence[Context]], position: int, reps: int = 5
-) -> dict[str, float]:
+) -> dict[str, dict[int, float]]:
     """Seconds each context takes, with each of its slots `position` tokens into its
     cache, to decode one batch of each size in FLASH_ATTN_BATCHES from every slot in one
-    call, as a server's step does (summed). Each size is decoded SETTLE times and the
+    call, as a server's step does: by size. Each size is decoded SETTLE times and the
     last, steady pass is timed; the contexts take turns, in alternating order, so that
     the machine's drift hits them alike; medians, after one untimed round."""
     names = list(contexts)
     for slots in contexts.values():
         _fill(slots, position)
 
-    samples: dict[str, list[float]] = {name: [] for name in names}
+    samples = {name: {n: [] for n in FLASH_ATTN_BATCHES} for name in names}
     for rep in range(reps + 1):
         for name in names if rep % 2 else names[::-1]:
-            seconds = sum(_settled(contexts[name], n, position)[1] for n in FLASH_ATTN_BATCHES)
-            if rep:
-                samples[name].append(seconds)
+            for n in FLASH_ATTN_BATCHES:
+                seconds = _settled(contexts[name], n, position)[1]
+                if rep:
+                    samples[name][n].append(seconds)
     for slots in contexts.values():
         for ctx in slots:
             ctx.trim(0)
-    return {name: statistics.median(times) for name, times in samples.items()}
+    return {
+        name: {n: statistics.median(times) for n, times in by_size.items()}
+        for name, by_size in samples.items()
+    }
 
 
 def _filler(ctx: Context) -> int:
     """A token to fill a context with: BOS, or id 0 for a model without one."""
     return max(ctx.model.bos, 0)
-
-
-def faster_flash_attn(seconds: Mapping[str, float]) -> str:
-    """Whichever of "on" and "off" decoded faster; a tie goes to "on", llama.cpp's own
-    choice on a CPU."""
-    return "on" if seconds["on"] <= seconds["off"] else "off"
 
 
 def _fill(slots: Sequence[Context], position: int) -> None:

@@ -11,11 +11,11 @@ from typing import NamedTuple, TypeVar
 from specdec_cli.decoding.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
-    faster_flash_attn,
     measure_costs,
     median_costs,
     time_decodes,
 )
+from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.decoding.translate import Translation
@@ -47,13 +47,6 @@ from specdec_cli.models.heads import (
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
 TRANSLATED_ROOM = 2
-# How deep -fa auto compares flash attention on and off: this many tokens in the cache,
-# shared by every slot (at most half of each one's context). With slots, each token's
-# attention spans every slot's cells: off computes them all (masked), on skips the other
-# slots', so the slots a server will run must be in the cache that is timed. Deeper
-# would tell more, but filling the cache is most of the measurement's time.
-FLASH_ATTN_CELLS = 512
-
 Loaded = TypeVar("Loaded", bound="LoadedModels")
 
 
@@ -157,6 +150,7 @@ class LoadedModels:
         target_params = replace(target_params, load_mtp=uses_head)
         draft_params = replace(_draft_params(options, repack), load_mtp=head_kind == "mtp")
         self._owned: list[Model | Context | HeadContext] = []
+        self._flash_attn_records: dict[Path, FlashAttnRecord] = {}  # by model, for -fa auto
         self.model = self._own(Model(options.target, target_params))
         parallel = options.parallel
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
@@ -322,9 +316,9 @@ class LoadedModels:
     def _choose_flash_attn(
         self, model: Model, n_ctx: int, threads: int, gpu_layers: int | None, device: str | None
     ) -> FlashAttnChoice:
-        """-fa as given, or for "auto" whichever of on and off decodes `model` (the
-        target, or the draft) faster on this machine: measured once per model and
-        settings, kept in the cache. `device`: where it runs (see Placement.key)."""
+        """-fa as given, or for "auto" whichever of on and off runs `model` (the target,
+        or the draft) faster on this machine, from what was measured and what runs spent
+        (see flashattn.py). `device`: where it runs (see Placement.key)."""
         asked = self.options.flash_attn
         if asked != "auto":
             return FlashAttnChoice(asked, asked)
@@ -336,32 +330,52 @@ class LoadedModels:
             "device": device,
             "repack": self.repack,
             "slots": o.parallel,
-            "cells": FLASH_ATTN_CELLS,
         }
-        key = costcache.cache_key([model.path], settings)
-        used = (costcache.load_entry("flash_attn", key) or {}).get("used")
-        if used not in ("on", "off"):
-            self._announce("flash attention on and off for -fa auto", model.path.name)
-            used = faster_flash_attn(self.time_flash_attn(model, n_ctx, threads))
-            costcache.save_entry("flash_attn", key, {"used": used})
+        record = FlashAttnRecord.load(costcache.cache_key([model.path], settings))
+        depth = record.depth(n_ctx // o.parallel // 2)
+        if o.parallel == 1 and record.runs_disagree(depth):  # slots' calls vary too much
+            record.measure_again(depth)
+        measured = len(record.measured_at(depth))
+        if measured < costcache.MEASUREMENTS:
+            times = f"{measured + 1} of {costcache.MEASUREMENTS}, one a run, {depth} tokens deep,"
+            self._announce("flash attention on and off for -fa auto", model.path.name, times)
+            record.add_measurement(depth, self.time_flash_attn(model, n_ctx, threads, depth))
+        used = record.verdict(depth)
+        self._flash_attn_records[model.path] = record
         return FlashAttnChoice(asked, used)
 
-    def time_flash_attn(self, model: Model, n_ctx: int, threads: int) -> dict[str, float]:
-        """Seconds of `model`'s decodes with flash attention "on" and "off", in two
-        short-lived contexts of as many slots as the engine's (see costmodel.time_decodes)."""
+    def time_flash_attn(
+        self, model: Model, n_ctx: int, threads: int, depth: int
+    ) -> dict[str, dict[int, float]]:
+        """Seconds of `model`'s decodes with flash attention "on" and "off", each slot
+        `depth` tokens deep, in two short-lived contexts of as many slots as the engine's
+        (see costmodel.time_decodes). With slots, each token's attention spans every
+        slot's cells: off computes them all (masked), on skips the other slots', so the
+        slots a server will run must be in the cache that is timed."""
         parallel = self.options.parallel
-        position = min(FLASH_ATTN_CELLS // parallel, n_ctx // parallel // 2)
-        size = (position + max(FLASH_ATTN_BATCHES) + 1) * parallel
+        size = (depth + max(FLASH_ATTN_BATCHES) + 1) * parallel
         contexts: dict[str, Context] = {}
         try:
             for setting in ("on", "off"):
                 params = ContextParams(size, threads, setting, n_seq_max=parallel)
                 contexts[setting] = Context(model, params)
             slots = {setting: ctx.split(parallel) for setting, ctx in contexts.items()}
-            return time_decodes(slots, position)
+            return time_decodes(slots, depth)
         finally:
             for context in contexts.values():
                 context.close()
+
+    def _record_flash_attn_spend(self) -> None:
+        """What each -fa auto model's context spent a verification-sized call in this
+        run, and how deep it went: the evidence later runs' choices are checked by."""
+        contexts = [self.target, self.draft_ctx]
+        parallel = self.options.parallel
+        for ctx in (c for c in contexts if c is not None):
+            record = self._flash_attn_records.get(ctx.model.path)
+            calls, tokens, seconds, deepest = ctx.spend()
+            if record is not None and calls >= MIN_CALLS:
+                size = tokens / calls / parallel
+                record.add_run(deepest, ctx.flash_attn, seconds / calls, size)
 
     def describe(self) -> dict[str, object]:
         """What a run with these models and settings needs to be reproduced."""
@@ -416,6 +430,8 @@ class LoadedModels:
         return costs
 
     def close(self) -> None:
+        if self._owned:
+            self._record_flash_attn_spend()
         for obj in reversed(self._owned):
             obj.close()
         self._owned.clear()

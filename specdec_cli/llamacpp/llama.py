@@ -22,6 +22,7 @@ import numpy as np
 
 from specdec_cli.errors import UserError
 
+SMALL_CALL = 64  # tokens at most in a decode call that Context.spend counts
 FLASH_ATTN = {
     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -370,6 +371,13 @@ class Context:
     def ptr(self) -> llama_cpp.llama_context_p:
         return self._shared.ptr
 
+    def spend(self) -> tuple[int, int, float, int]:
+        """The llama.cpp context's decode calls of at most SMALL_CALL tokens, with every
+        slot's (how many, their tokens and their seconds), and the deepest position it
+        decoded."""
+        shared = self._shared
+        return shared.small_calls, shared.small_tokens, shared.small_seconds, shared.deepest
+
     @property
     def memory(self) -> llama_cpp.llama_memory_t:
         return self._shared.memory
@@ -713,6 +721,13 @@ class _Shared:
         self.n_staged = 0
         self.staged: list[Context] = []
         self.last_size = 0  # tokens in the last decode call
+        # What the decode calls of a verification's or a draft step's size (not a
+        # prompt's) spent, and the deepest position decoded: what -fa auto checks its
+        # choice against (decoding/flashattn.py).
+        self.small_calls = 0
+        self.small_tokens = 0
+        self.small_seconds = 0.0
+        self.deepest = 0
 
     def stage(self, ctx: Context, n: int) -> None:
         if ctx in self.staged:
@@ -738,6 +753,11 @@ class _Shared:
             raise RuntimeError(f"{name}: llama_decode failed with status {status}")
         for ctx in staged:
             ctx._decoded(seconds, len(staged) > 1)
+        if n <= SMALL_CALL:
+            self.small_calls += 1
+            self.small_tokens += n
+            self.small_seconds += seconds
+        self.deepest = max(self.deepest, int(self.batch.pos[:n].max()) + 1)
         return n
 
     def close(self) -> None:
