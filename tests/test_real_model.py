@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import jsonschema
 import numpy as np
 import openai
 import pytest
@@ -25,6 +26,7 @@ from test_cli_run import specdec
 from test_server import start
 
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
@@ -110,6 +112,62 @@ def test_every_greedy_token_is_the_argmax_of_one_pass(
     gaps = argmax_gaps(engine.model, engine.tokenize(prompt), generated)
     ties = [(i, round(g, 3)) for i, g in enumerate(gaps) if g > 0]
     assert max(gaps) <= TIE_TOLERANCE and len(ties) <= MOST_TIES, ties
+
+
+# A record with long keys and an enum (benchmarks/record_schema.json's kind): much of its
+# text is forced, the rest the model's choice under the mask.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "full_name_of_the_person": {"type": "string", "maxLength": 24},
+        "age_in_whole_years": {"type": "integer", "minimum": 0, "maximum": 120},
+        "favourite_colour": {"enum": ["red", "green", "blue", "yellow"]},
+    },
+    "required": ["full_name_of_the_person", "age_in_whole_years", "favourite_colour"],
+    "additionalProperties": False,
+}
+PERSON_PROMPT = "Lily is a girl of seven who loves the sky. Her record as JSON: "
+
+
+def masked_argmax_gaps(model: Model, prompt: list[int], generated: list[int]) -> list[float]:
+    """argmax_gaps under the schema's mask: how far each token's logit lies below the best
+    the grammar allows there (inf for a token it forbids)."""
+    text = prompt + generated
+    ctx = Context(model, ContextParams(len(text) + 1, 2, "off", n_batch=len(text)))
+    constraint = Grammar.json_schema(PERSON).start(model)
+    try:
+        ctx.decode(text[:-1], 0, n_logits=len(generated))
+        gaps = []
+        for i, token in enumerate(generated):
+            row, allowed = ctx.logits(i), constraint.allowed()
+            if not allowed[token]:  # the grammar cannot go on past it
+                return [*gaps, float("inf")]
+            gaps.append(float(row[allowed[: len(row)]].max() - row[token]))
+            if not model.is_eog(token):
+                constraint.advance([token])
+        return gaps
+    finally:
+        ctx.close()
+
+
+@pytest.mark.parametrize(("kind", "k"), [(None, "0"), ("ngram", "4"), ("ngram", "auto")])
+def test_constrained_greedy_is_the_masked_argmax(engine: Engine, kind: str | None, k: str) -> None:
+    """Under a JSON schema: the text parses and validates, and every token is the argmax
+    of one pass's row under the grammar's mask, within the tie tolerance."""
+    tokens = engine.tokenize(PERSON_PROMPT)
+    stats, decoder = Stats(), engine.make_decoder(kind, k)
+    grammar = Grammar.json_schema(PERSON)
+    rng = np.random.default_rng(0)
+    pieces = engine.pieces(tokens, 96, rng, stats, decoder=decoder, grammar=grammar)
+    generated = [p.token for p in pieces if p.token is not None]
+    assert stats.stop_reason == "eos"  # the record was finished
+    text = b"".join(engine.model.piece(t) for t in generated if not engine.model.is_eog(t))
+    jsonschema.validate(json.loads(text), PERSON)
+    gaps = masked_argmax_gaps(engine.model, tokens, generated)
+    ties = [(i, round(g, 3)) for i, g in enumerate(gaps) if g > 0]
+    assert max(gaps) <= TIE_TOLERANCE and len(ties) <= MOST_TIES, ties
+    damaged = generated[:6] + generated[7:]  # a token lost: somewhere off the mask's argmax
+    assert max(masked_argmax_gaps(engine.model, tokens, damaged)) > TIE_TOLERANCE
 
 
 def test_the_argmax_check_catches_a_lost_token(engine: Engine) -> None:
