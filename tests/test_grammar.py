@@ -5,6 +5,7 @@ for free."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import jsonschema
@@ -335,13 +336,25 @@ def test_serve_llama_server_fields_and_json_object(grammar_server, target_model:
     ],
 )
 def test_serve_bad_grammars_are_400_in_one_line(grammar_server, fields: dict) -> None:
+    assert_refused(complete(grammar_server, fields))
+
+
+def complete(server, fields: dict, max_tokens: int = 4, path: str = "completions"):
+    """A greedy request with `fields` (a prompt, or messages for chat completions); an
+    answer within a minute, or the test fails: a hang must not block the suite."""
     import httpx
 
-    body = {"prompt": PROMPT, "max_tokens": 4, **fields}
-    reply = httpx.post(f"{grammar_server.url}/v1/completions", json=body, timeout=60)
+    body = {"prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, **fields}
+    return httpx.post(f"{server.url}/v1/{path}", json=body, timeout=60)
+
+
+def assert_refused(reply, *words: str) -> None:
+    """A 400 whose message is one line naming `words`."""
     assert reply.status_code == 400, reply.text
     message = reply.json()["error"]["message"]
     assert message and "\n" not in message
+    for word in words:
+        assert word in message, message
 
 
 def test_post_sampling_logprobs_are_the_masked_distribution(
@@ -597,3 +610,324 @@ def test_sampled_translated_draft_matches_constrained_target(
         _, stats = run(engine, decoder, grammar, REPEATING_PROMPT, 64)
     assert stats.proposed_by["model"] > 0
     assert min(alike(constrained_baseline, speculative)) > 1e-3
+
+
+# --- Hostile input: one line and a non-zero exit, or a 400 and the server goes on; in a
+# bounded time (each command and request has a timeout: a hang fails the test).
+
+
+def ref_chain(n: int, link: Callable[[dict], dict] = lambda ref: ref) -> dict:
+    """A schema whose $refs chain n deep, each `link(ref)` (a flat document: llguidance's
+    JSON reader, which stops at 128 levels, never sees the depth; its compiler recursed
+    on it until the stack overflowed, and the process died)."""
+    defs = {f"d{i}": link({"$ref": f"#/$defs/d{i + 1}"}) for i in range(n)}
+    defs[f"d{n}"] = {"type": "integer"}
+    return {"$defs": defs, "$ref": "#/$defs/d0"}
+
+
+def nested_arrays(n: int) -> dict:
+    schema: dict = {"type": "integer"}
+    for _ in range(n):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+def many_values(n: int) -> dict:
+    """1.3 MB at 30,000: a long enum, which llguidance compiles in a fraction of a second."""
+    return {"type": "string", "enum": [f"value number {i} {'x' * 20}" for i in range(n)]}
+
+
+def many_properties(n: int) -> dict:
+    """1.4 MB at 25,000: past llguidance's 50,000 subschemas."""
+    properties = {f"key_{i}_{'y' * 20}": {"type": "integer"} for i in range(n)}
+    return {"type": "object", "properties": properties}
+
+
+MEGABYTE = 2**20
+# Each refused in one line: (grammar or JSON schema, words of the message).
+HOSTILE = {
+    # No text at all: llguidance's matcher fails at the start (its mask would allow only
+    # the end, and the output would end at once, empty, as if complete).
+    "rule that only recurses": ("root ::= root", ["grammar allows no text", "at the start"]),
+    "lark rule that only recurses": ("start: start", ["grammar allows no text"]),
+    # Forced text without end: llguidance's search for forced tokens meets its limit.
+    "forced text without end": ('root ::= "a" root', ["forces text without end"]),
+    # A dead end after the model's first choice: found while generating, not before.
+    "dead end after a choice": ("root ::= [a-z] x\nx ::= x", ["allows no text after 1 token"]),
+    "$ref to itself": (
+        {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+        ["JSON schema allows no text"],
+    ),
+    "$ref chain 5000 deep": (ref_chain(5000), ["nests too deeply", "5004 levels", "$ref"]),
+    "nesting 600 deep": (nested_arrays(600), ["nests too deeply", "601 levels"]),
+    "1 MB schema too large": (many_properties(25000), ["JSON schema is too large", "smaller"]),
+}
+
+
+def hostile_flags(tmp_path: Path, given: str | dict) -> list[str]:
+    """The command line's flag for a grammar or a schema (a file: past argv's 128 kB)."""
+    if isinstance(given, str):
+        return ["--grammar", given]
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(given))
+    return ["--json-schema-file", str(path)]
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_cli_hostile_grammars_exit_2_in_one_line(
+    target_model: Path, draft_model: Path, tmp_path: Path, name: str
+) -> None:
+    given, words = HOSTILE[name]
+    assert_user_error(
+        run_speculative(target_model, draft_model, hostile_flags(tmp_path, given)), *words
+    )
+
+
+def test_cli_schema_nested_past_pythons_recursion_limit(
+    target_model: Path, draft_model: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "schema.json"
+    path.write_text('{"type": "array", "items": ' * 3000 + '{"type": "integer"}' + "}" * 3000)
+    flags = ["--json-schema-file", str(path)]
+    assert_user_error(run_speculative(target_model, draft_model, flags), "nests too deeply")
+
+
+def run_speculative(target: Path, draft: Path, flags: list[str]):
+    args = ["-m", str(target), "-d", str(draft), "-k", "3", "--tree", "off", "-t", "1"]
+    return specdec("run", *args, "-p", PROMPT, "-n", "16", "--temp", "0", *flags)
+
+
+def test_a_grammar_that_never_ends_stops_at_max_tokens(target_model: Path, grammar_server) -> None:
+    """Letters for ever: nothing fails, nothing ends; the output stops at its length."""
+    never_ends = "root ::= [a-z] root"
+    args = ["-m", str(target_model), "-p", PROMPT, "-n", "24", "-t", "1", "--temp", "0"]
+    result = specdec("run", *args, "--grammar", never_ends)
+    assert result.returncode == 0, result.stderr
+    assert "stop: length" in result.stderr
+    assert result.stdout.strip().isalpha()
+    reply = complete(grammar_server, {"grammar": never_ends}, max_tokens=24).json()
+    (choice,) = reply["choices"]
+    assert choice["finish_reason"] == "length"
+    assert choice["text"].isalpha() and reply["usage"]["completion_tokens"] == 24
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_serve_hostile_grammars_are_400_and_it_goes_on(grammar_server, name: str) -> None:
+    given, words = HOSTILE[name]
+    field = "grammar" if isinstance(given, str) else "json_schema"
+    assert_refused(complete(grammar_server, {field: given}, max_tokens=16), *words)
+    assert complete(grammar_server, {}).status_code == 200
+
+
+def test_serve_hostile_tool_parameters_are_400_and_it_goes_on(grammar_server) -> None:
+    """A tool's parameters go into the grammar that tool_choice "required" builds: the
+    same bound on their depth."""
+    deep = {"type": "function", "function": {"name": "deep", "parameters": ref_chain(5000)}}
+    messages = [{"role": "user", "content": "Go"}]
+    fields = {"messages": messages, "tools": [deep], "tool_choice": "required"}
+    reply = complete(grammar_server, fields, path="chat/completions")
+    assert_refused(reply, "nests too deeply")
+    assert reply.json()["error"]["param"] == "tools"
+    assert complete(grammar_server, {}).status_code == 200
+
+
+def test_a_1_mb_schema_is_followed(target_model: Path, grammar_server, tmp_path: Path) -> None:
+    schema = many_values(30000)
+    assert len(json.dumps(schema)) > MEGABYTE
+    args = ["-m", str(target_model), "-p", PROMPT, "-n", "64", "-t", "1", "--temp", "0"]
+    result = specdec("run", *args, *hostile_flags(tmp_path, schema))
+    assert result.returncode == 0, result.stderr
+    jsonschema.validate(json.loads(result.stdout), schema)
+    reply = complete(grammar_server, {"json_schema": schema}, max_tokens=64).json()
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+
+
+@pytest.mark.parametrize(
+    ("schema", "bound"),
+    [
+        (ref_chain(3), 7),  # the root (3 levels), and d0 to d3 (one each)
+        (nested_arrays(3), 4),
+        # A $ref cycle: each of its parts once, after the root.
+        (
+            {
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+                "$ref": "#/$defs/a",
+            },
+            5,
+        ),
+        # The root twice: compiled as the whole, and again as "#".
+        ({"$defs": {"a": {"$ref": "#"}}, "$ref": "#/$defs/a"}, 7),
+        ({"$ref": "https://example.com/other.json"}, 2),  # could lead anywhere: the root's
+        (True, 0),
+    ],
+)
+def test_schema_depth_bounds_what_llguidance_recurses_through(schema, bound: int) -> None:
+    from specdec_cli.decoding.grammar import schema_depth
+
+    assert schema_depth(schema) == bound
+
+
+# Links of a $ref chain, in shapes of several levels (the link's object, its keywords'
+# objects and arrays, the $ref's own object).
+LINKS: list[Callable[[dict], dict]] = [
+    lambda ref: ref,
+    lambda ref: {"type": "object", "properties": {"x": ref}, "required": ["x"]},
+    lambda ref: {"type": "array", "items": {"anyOf": [ref, {"type": "null"}]}},
+    lambda ref: {"oneOf": [{"type": "object", "properties": {"y": {"anyOf": [ref]}}}]},
+]
+
+
+def deepest_within_bound(link: Callable[[dict], dict]) -> dict:
+    from specdec_cli.decoding.grammar import MAX_SCHEMA_DEPTH, schema_depth
+
+    n = 1
+    while schema_depth(ref_chain(n + 1, link)) <= MAX_SCHEMA_DEPTH:
+        n += 1
+    assert schema_depth(ref_chain(n, link)) > MAX_SCHEMA_DEPTH - 8
+    return ref_chain(n, link)
+
+
+def test_schemas_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
+    """The bound's margin: schemas just within it, in shapes of the most stack a level,
+    compile on a 2 MB thread stack (a quarter of the usual 8 MB), in a child process: an
+    overflow is a segmentation fault."""
+    import subprocess
+    import sys
+
+    script = (
+        "import json, sys, threading, llguidance\n"
+        "schemas = json.load(sys.stdin)\n"
+        "threading.stack_size(2 * 2**20)\n"
+        "def compile():\n"
+        "    for schema in schemas:\n"
+        "        grammar = llguidance.LLMatcher.grammar_from_json_schema(schema)\n"
+        "        llguidance.LLMatcher.validate_grammar(grammar)\n"
+        "thread = threading.Thread(target=compile); thread.start(); thread.join()\n"
+    )
+    schemas = [deepest_within_bound(link) for link in LINKS]
+    result = subprocess.run(
+        [sys.executable, "-c", script], input=json.dumps(schemas), text=True, timeout=120
+    )
+    assert result.returncode == 0
+
+
+# --- The official client's structured output: a Pydantic model, round trip.
+
+
+def test_openai_parse_with_a_pydantic_model(grammar_server) -> None:
+    """client.chat.completions.parse sends the model's strict schema (its $defs, and
+    additionalProperties false) and reads the reply back into the model."""
+    from typing import Literal
+
+    import openai
+    from pydantic import BaseModel, Field
+
+    class Pet(BaseModel):
+        name: str = Field(max_length=6)
+        kind: Literal["cat", "dog"]
+
+    class Household(BaseModel):  # small: the random model pads with white space
+        pets: list[Pet] = Field(min_length=1, max_length=1)
+        rooms: int = Field(ge=1, le=9)
+
+    client = openai.OpenAI(base_url=f"{grammar_server.url}/v1", api_key="x", max_retries=0)
+    completion = client.chat.completions.parse(
+        model="t",
+        messages=[{"role": "user", "content": "Describe a household"}],
+        response_format=Household,
+        max_tokens=180,  # what the context (256) leaves
+        temperature=0,
+        timeout=60,
+    )
+    (choice,) = completion.choices
+    assert choice.finish_reason == "stop"
+    assert isinstance(choice.message.parsed, Household)
+    assert isinstance(choice.message.parsed.pets[0], Pet)
+    assert choice.message.parsed == Household.model_validate_json(choice.message.content or "")
+
+
+# --- Schema features: every output validates, and speculation changes nothing of it.
+
+FEATURE_SCHEMAS = {
+    "nested objects": {
+        "type": "object",
+        "properties": {
+            "point": {
+                "type": "object",
+                "properties": {
+                    "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            },
+            "label": {"type": "string", "maxLength": 6},
+        },
+        "required": ["point", "label"],
+        "additionalProperties": False,
+    },
+    "array with minItems and maxItems": {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": 99},
+        "minItems": 2,
+        "maxItems": 4,
+    },
+    "enums": {
+        "type": "object",
+        "properties": {
+            "color": {"enum": ["red", "green", "blue"]},
+            "size": {"type": "string", "enum": ["S", "M", "L"]},
+        },
+        "required": ["color", "size"],
+        "additionalProperties": False,
+    },
+    "string pattern": {
+        "type": "object",
+        "properties": {"code": {"type": "string", "pattern": "^[a-z]{2,4}-[0-9]{1,3}$"}},
+        "required": ["code"],
+        "additionalProperties": False,
+    },
+    "numbers with minimum and maximum": {
+        "type": "object",
+        "properties": {
+            "ratio": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+            "count": {"type": "integer", "minimum": 10, "maximum": 20},
+        },
+        "required": ["ratio", "count"],
+        "additionalProperties": False,
+    },
+    "$ref and $defs": {
+        "$defs": {
+            "item": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9}},
+                "required": ["id"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {
+            "first": {"$ref": "#/$defs/item"},
+            "rest": {"type": "array", "items": {"$ref": "#/$defs/item"}, "maxItems": 2},
+        },
+        "required": ["first", "rest"],
+        "additionalProperties": False,
+    },
+}
+
+
+@pytest.mark.parametrize("name", FEATURE_SCHEMAS)
+def test_every_schema_feature_validates_and_speculation_changes_nothing(
+    target_model: Path, draft_model: Path, name: str
+) -> None:
+    schema = FEATURE_SCHEMAS[name]
+    grammar = Grammar.json_schema(schema)
+    with open_engine(target_model) as engine:
+        reference, stats = run(engine, engine.decoder, grammar, n=160)
+    assert stats.stop_reason == "eos"  # the grammar ran to its end
+    jsonschema.validate(json.loads(text(engine, reference)), schema)
+    with open_engine(target_model, draft_model, 3, tree="off") as engine:
+        out, stats = run(engine, engine.make_decoder("model", "3"), grammar, n=160)
+    assert out == reference
+    assert stats.proposed_by["model"] > 0

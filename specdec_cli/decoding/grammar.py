@@ -21,15 +21,27 @@ A round under a grammar drafts a chain: a tree's branches would each need a matc
 libllama's own GBNF sampler is not used: it checks every candidate (11-79 ms a position
 on real vocabularies), aborts the process when a token it rejects is accepted, and has
 no undo. llguidance computes a mask in about 0.1 ms and says which tokens are forced.
+
+Hostile input: llguidance bounds its own work (LLParserLimits: its defaults, e.g. 500,000
+symbols a grammar, 50,000 parser items a step), and a grammar that meets a bound fails
+in one line. Two things it does not bound are checked here: how deep a JSON schema's
+$refs chain (its compiler recurses, and a deep chain overflows the stack: a segmentation
+fault, see schema_depth), and a grammar no text completes that fails before the model
+chooses anything (see Grammar.check). One that fails later ends its generation with a
+UserError; one that never fails but never ends (`root ::= [a-z] root`) stops at
+max_tokens, as any generation does.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import llama_cpp
 import llguidance
@@ -45,6 +57,12 @@ FORCED_MAX = 32
 # SPACE: nothing, a space, or a new line and at most 20 spaces or tabs of indentation).
 # llguidance's default, any run of whitespace, lets a model pad forever.
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
+# The deepest a JSON schema may nest, in objects and arrays, counted on through its $refs.
+# llguidance compiles a schema by recursion, up to 3.3 kB of stack a level (measured, 1.9.1:
+# a chain of 2,500 $refs overflowed a thread's 8 MB and killed the process, 2,000 did
+# not). Its JSON reader stops at 128 levels in one piece, but $refs chain pieces without
+# limit. A quarter of what overflowed, and far more than real schemas nest.
+MAX_SCHEMA_DEPTH = 512
 
 
 @dataclass(frozen=True)
@@ -76,17 +94,20 @@ class Grammar:
                 value = json.loads(schema)
             except ValueError as e:
                 raise UserError(f"the JSON schema is not JSON: {_one_line(e)}") from None
+            except RecursionError:
+                raise UserError(_too_deep(f"over {sys.getrecursionlimit()}")) from None
         else:
             value = schema
         if not isinstance(value, dict | bool):
             raise UserError("the JSON schema must be a JSON object")
+        check_schema_depth(value)
         text = json.dumps(value)
         try:
             compiled = llguidance.LLMatcher.grammar_from_json_schema(
                 text, defaults={"whitespace_pattern": JSON_WHITESPACE}
             )
         except ValueError as e:
-            raise UserError(f"the JSON schema is not valid: {_one_line(e)}") from None
+            raise UserError(_not_valid("JSON schema", _one_line(e))) from None
         return cls("json_schema", text, compiled)
 
     @classmethod
@@ -100,18 +121,199 @@ class Grammar:
         grammar = cls.json_schema({"type": "object"})
         return cls("json_object", grammar.text, grammar.compiled)
 
+    @property
+    def what(self) -> str:
+        """What the user gave, as messages name it."""
+        return "JSON schema" if self.kind.startswith("json") else "grammar"
+
     def check(self, model: Model) -> None:
         """Raise UserError, in one line, if the grammar is not one llguidance can match
-        over `model`'s vocabulary."""
+        over `model`'s vocabulary, or if it fails before the model chooses anything."""
         matcher = llguidance.LLMatcher
         failed, messages = matcher.validate_grammar_with_warnings(self.compiled, tokenizer(model))
         if failed:  # (warnings, such as unsupported keywords ignored, are not errors)
-            what = "JSON schema" if self.kind.startswith("json") else "grammar"
-            raise UserError(f"the {what} is not valid: {_one_line(messages[0])}")
+            raise UserError(_not_valid(self.what, _one_line(messages[0])))
+        self._try_start(model)
+
+    def _try_start(self, model: Model) -> None:
+        """Refuse now a grammar that fails on the way to the model's first choice: one
+        that allows no text (`root ::= root`; its matcher would allow only the end, and
+        the output end at once as if complete), or whose forced start has no end
+        (`root ::= "a" root`: llguidance's search for forced tokens meets its limit).
+        Refused here, a server answers 400 before anything is decoded."""
+        constraint = self.start(model)
+        constraint.allowed()
+        constraint.advance(constraint.forced())
+        constraint.allowed()
 
     def start(self, model: Model) -> Constraint:
         """A generation's matcher, at the start of its output."""
         return Constraint(model, self)
+
+
+def check_schema_depth(schema: object) -> None:
+    """Raise UserError, in one line, if compiling `schema` could take llguidance deeper
+    than MAX_SCHEMA_DEPTH (see schema_depth)."""
+    depth = schema_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise UserError(_too_deep(str(depth)))
+
+
+def _too_deep(depth: str) -> str:
+    return (
+        f"the JSON schema nests too deeply: {depth} levels of objects and arrays, counted "
+        f"on through its $refs (at most {MAX_SCHEMA_DEPTH}); flatten it or shorten its "
+        "chains of $refs"
+    )
+
+
+# The part of a schema that stands for $refs this check cannot follow (a remote one, one
+# relative to a nested "$id"): it may lead to any part.
+_ANYWHERE = -1
+
+
+def schema_depth(schema: object) -> int:
+    """A depth llguidance's compiler never recurses past on `schema`, in levels of
+    nested objects and arrays. It compiles the whole, and each $ref's target the first
+    time the $ref is met (once a name: a name met again, or met inside its own target,
+    is a reference), all by recursion: so the deepest it goes is along a chain of parts,
+    each entered once, each at most its own height. Parts that reach each other (a
+    cycle) are counted whole, in any order."""
+    parts = _SchemaParts(schema)
+    return _heaviest_path(parts.weights, parts.edges, id(schema))
+
+
+class _SchemaParts:
+    """A schema's parts (the root, and each $ref's target), by id: `weights` (height,
+    times the names it is compiled under) and `edges` (each part to the parts it names
+    or holds within it)."""
+
+    def __init__(self, schema: object) -> None:
+        self.root = schema
+        self.heights: dict[int, int] = {}
+        refs, anchors, rebased = self._survey()
+        targets = {ref: self._resolve(ref, anchors, rebased) for ref in refs}
+        root_height = self.heights.get(id(schema), 0)
+        self.weights = {id(schema): root_height}
+        for target in targets.values():
+            # a part it cannot follow may be any part: as high as the root
+            key = id(target) if target is not None else _ANYWHERE
+            height = self.heights.get(key, 0) if target is not None else root_height
+            self.weights[key] = self.weights.get(key, 0) + height
+        self.edges: dict[int, set[int]] = {key: set() for key in self.weights}
+        self._link(targets)
+        if _ANYWHERE in self.weights:
+            self.edges[_ANYWHERE] = set(self.weights) - {_ANYWHERE}
+
+    def _survey(self) -> tuple[set[str], dict[str, object | None], bool]:
+        """Every $ref's text, every anchor's part (None: named twice), whether a part
+        below the root has an id of its own; and every container's height."""
+        refs: set[str] = set()
+        anchors: dict[str, object | None] = {}
+        rebased = False
+        order = list(_containers(self.root))
+        for value in order:
+            if isinstance(value, dict):
+                if isinstance(value.get("$ref"), str):
+                    refs.add(value["$ref"])
+                for key in ("$anchor", "$dynamicAnchor"):
+                    name = value.get(key)
+                    if isinstance(name, str):
+                        anchors[name] = value if name not in anchors else None
+                ids = (value.get("$id"), value.get("id"))
+                rebased |= value is not self.root and any(isinstance(i, str) for i in ids)
+        for value in reversed(order):  # children before their parents
+            below = (self.heights[id(c)] for c in _children(value))
+            self.heights[id(value)] = 1 + max(below, default=0)
+        return refs, anchors, rebased
+
+    def _resolve(self, ref: str, anchors: dict[str, object | None], rebased: bool) -> object:
+        """The part `ref` names (a scalar or a bool where it names one); None where this
+        check cannot follow it."""
+        if rebased or not ref.startswith("#"):
+            return None
+        fragment = unquote(ref[1:])
+        if not fragment.startswith("/"):
+            return anchors.get(fragment) if fragment else self.root
+        value: object = self.root
+        for token in fragment[1:].split("/"):
+            token = token.replace("~1", "/").replace("~0", "~")
+            if isinstance(value, dict) and token in value:
+                value = value[token]
+            elif isinstance(value, list) and token.isdigit() and int(token) < len(value):
+                value = value[int(token)]
+            else:
+                return None
+        return value
+
+    def _link(self, targets: dict[str, object | None]) -> None:
+        """An edge from each part to each part it holds and to each it names, from the
+        innermost part around it."""
+        stack = [(self.root, id(self.root))]
+        while stack:
+            value, owner = stack.pop()
+            if id(value) in self.weights and value is not self.root:
+                self.edges[owner].add(id(value))
+                owner = id(value)
+            ref = value.get("$ref") if isinstance(value, dict) else None
+            if isinstance(ref, str):
+                target = targets[ref]
+                self.edges[owner].add(id(target) if target is not None else _ANYWHERE)
+            stack += [(child, owner) for child in _children(value)]
+
+
+def _containers(root: object) -> Iterator[object]:
+    """Every object and array in `root`, each before what it holds."""
+    stack = [root] if isinstance(root, dict | list) else []
+    while stack:
+        value = stack.pop()
+        yield value
+        stack += _children(value)
+
+
+def _children(value: object) -> list[object]:
+    """The objects and arrays `value` holds directly."""
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return [item for item in items if isinstance(item, dict | list)]
+
+
+def _heaviest_path(weights: dict[int, int], edges: dict[int, set[int]], start: int) -> int:
+    """The heaviest path from `start`, each strongly connected set of nodes counted
+    whole (Tarjan's algorithm, without recursion: the chains may be thousands long)."""
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    stack: list[int] = []  # of nodes whose set is not finished
+    at: dict[int, int] = {}  # each node's place on it
+    heaviest: dict[int, int] = {}  # from each node of a finished set
+    work: list[tuple[int, Iterator[int]]] = []
+
+    def enter(node: int) -> None:
+        index[node] = low[node] = len(index)
+        at[node] = len(stack)
+        stack.append(node)
+        work.append((node, iter(edges[node])))
+
+    enter(start)
+    while work:
+        node, following = work[-1]
+        for child in following:
+            if child not in index:
+                enter(child)
+                break
+            if child not in heaviest:  # on the stack
+                low[node] = min(low[node], index[child])
+        else:
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[node])
+            if low[node] == index[node]:  # the root of a strongly connected set
+                members = set(stack[at[node] :])
+                del stack[at[node] :]
+                after = (heaviest[c] for m in members for c in edges[m] if c not in members)
+                total = sum(weights[m] for m in members) + max(after, default=0)
+                heaviest.update(dict.fromkeys(members, total))
+    return heaviest[start]
 
 
 def lark_literal(model: Model, text: str) -> str:
@@ -137,6 +339,20 @@ def _is_special(vocab: Any, token: int, piece: bytes) -> bool:
 def _one_line(error: object) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return "; ".join(lines)[:300] or type(error).__name__
+
+
+def _not_valid(what: str, reason: str) -> str:
+    """llguidance's refusal: a limit of its own met (LLParserLimits' max_grammar_size of
+    500,000 symbols, its JSON compiler's 50,000 subschemas: "schema too large"), or a
+    fault in what the user gave."""
+    if "too big" in reason or "too large" in reason:
+        return f"the {what} is too large for llguidance ({reason}); make it smaller"
+    return f"the {what} is not valid: {reason}"
+
+
+def _matcher_reason(matcher: llguidance.LLMatcher) -> str:
+    """Why a matcher failed, without the parser state it dumps after its reason."""
+    return _one_line(matcher.get_error().split("<state>")[0])
 
 
 _tokenizers: dict[int, tuple[Model, llguidance.LLTokenizer]] = {}
@@ -189,8 +405,10 @@ class Constraint:
     def __init__(self, model: Model, grammar: Grammar) -> None:
         self.model = model
         self.matcher = llguidance.LLMatcher(tokenizer(model), grammar.compiled, log_level=0)
+        self.what = grammar.what
         if self.matcher.is_error():
-            raise UserError(f"the grammar is not valid: {_one_line(self.matcher.get_error())}")
+            raise UserError(_not_valid(self.what, _matcher_reason(self.matcher)))
+        self.n_emitted = 0  # tokens advanced over, for messages
         self.n_vocab = model.n_vocab
         self._words = np.zeros((self.n_vocab + 31) // 32, np.int32)
         self._tried = 0  # tokens pushed beyond the emitted ones
@@ -201,16 +419,18 @@ class Constraint:
         where the grammar may end)."""
         words = self._words
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        self._fail_if_stuck()  # (a failed matcher's mask allows only the end)
         bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=self.n_vocab)
         return bits.view(np.bool_)
 
     def push(self, token: int) -> bool:
         """Try `token` after the emitted tokens and those pushed since; False (and
-        nothing pushed) if the grammar forbids it or it ends the generation."""
+        nothing pushed) if the grammar forbids it or it ends the generation. UserError
+        where llguidance meets a limit past it (see _failure)."""
         if self.model.is_eog(token) or not self.matcher.validate_tokens([token]):
             return False
-        ok = self.matcher.consume_token(token)
-        assert ok, self.matcher.get_error()
+        if not self.matcher.consume_token(token):  # allowed, so a limit met
+            raise self._failure()
         self._tried += 1
         return True
 
@@ -224,9 +444,38 @@ class Constraint:
         """The round's emitted tokens (no end-of-generation token among them)."""
         self.undo()
         if tokens and not self.matcher.consume_tokens(tokens):
-            raise RuntimeError(
-                f"grammar: an emitted token was forbidden: {self.matcher.get_error()}"
-            )
+            raise self._failure()
+        self.n_emitted += len(tokens)
+
+    def _fail_if_stuck(self) -> None:
+        """Raise where the matcher has failed (see _failure): a failed matcher's mask
+        allows only the end, which would end the output as if it were complete."""
+        if self.matcher.is_error():
+            raise self._failure()
+
+    def _failure(self) -> Exception:
+        """Why the matcher failed, in one line: the grammar allows nothing after the text
+        so far, or llguidance met one of its limits (UserError: the grammar's fault); or
+        a forbidden token was emitted (RuntimeError: a defect here). A failed matcher
+        stays failed: rollback does not mend it."""
+        reason = _matcher_reason(self.matcher)
+        # llguidance's words for a token its mask forbade: "... doesn't satisfy the grammar"
+        if reason.startswith("Parser Error: token"):
+            return RuntimeError(f"grammar: an emitted token was forbidden: {reason}")
+        n = self.n_emitted + self._tried
+        where = f"after {n} token{'s' * (n != 1)} of output" if n else "at the start of the output"
+        if reason == "NoExtensionBias":  # no token may come next, not even the end
+            return UserError(f"the {self.what} allows no text {where}: {self._hint('root')}")
+        if "ff_tokens" in reason:  # its search for the forced tokens met its item limit
+            hint = self._hint('"a" root')
+            return UserError(f"the {self.what} forces text without end {where}: {hint} ({reason})")
+        return UserError(f"the {self.what} cannot go on {where}: {reason}")
+
+    def _hint(self, example: str) -> str:
+        """What to look for in a grammar that cannot be completed."""
+        if self.what == "JSON schema":
+            return "does a $ref lead back to itself with no way out?"
+        return f"does a rule recurse with no alternative that ends (as root ::= {example})?"
 
     def valid_prefix(self, tokens: list[int]) -> int:
         """How many of `tokens`, after the emitted ones (and those pushed), the grammar
@@ -236,7 +485,9 @@ class Constraint:
     def forced(self) -> list[int]:
         """The tokens that must come next, whatever the model says (a key's letters, a
         fixed value): each the only token its position's mask allows."""
-        return list(self.matcher.compute_ff_tokens()[:FORCED_MAX])
+        forced = self.matcher.compute_ff_tokens()
+        self._fail_if_stuck()
+        return list(forced[:FORCED_MAX])
 
     def mask(self, logits: np.ndarray, allowed: np.ndarray) -> np.ndarray:
         """`logits` with every forbidden token at -inf, in a buffer kept for it (valid

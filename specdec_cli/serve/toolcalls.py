@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec_cli.decoding.grammar import JSON_WHITESPACE
+from specdec_cli.decoding.grammar import JSON_WHITESPACE, check_schema_depth
 from specdec_cli.decoding.textstream import tail_starting
 
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
@@ -170,14 +170,14 @@ def call_grammar(
         repeat = "+" if parallel else ""
         return (
             f"start: (call NL?){repeat}\n"
-            f"call: {opening} NL? %json {json.dumps(call)} NL? {closing}\n"
+            f"call: {opening} NL? {_lark_json(call)} NL? {closing}\n"
             "NL: /\\n/\n"
         )
     if kind == MISTRAL:
         many["x-guidance"] = spacing
-        return f"start: {marker('[TOOL_CALLS]')} %json {json.dumps(many)}\n"
+        return f"start: {marker('[TOOL_CALLS]')} {_lark_json(many)}\n"
     if kind == LLAMA3:
-        return f"start: %json {json.dumps(call)}\n"
+        return f"start: {_lark_json(call)}\n"
     generic = {
         "type": "object",
         "properties": {"tool_calls": many},
@@ -185,7 +185,14 @@ def call_grammar(
         "additionalProperties": False,
         "x-guidance": spacing,
     }
-    return f"start: %json {json.dumps(generic)}\n"
+    return f"start: {_lark_json(generic)}\n"
+
+
+def _lark_json(schema: dict[str, Any]) -> str:
+    """`schema` as Lark's %json, once its depth is known to be safe for llguidance (a
+    parameters schema whose $refs chain deep would overflow its compiler's stack)."""
+    check_schema_depth(schema)
+    return f"%json {json.dumps(schema)}"
 
 
 def _call_schema(function: dict[str, Any], arguments: str) -> dict[str, Any]:
