@@ -75,7 +75,9 @@ def test_a_choice_changes_only_for_a_clear_gap(cache: Path) -> None:
     record.add_measurement(FIRST_DEPTH, timing(1.0, 0.85))
     record.add_measurement(FIRST_DEPTH, timing(1.0, 0.8))
     assert record.verdict(FIRST_DEPTH) == "off"  # off by 15 % in the median of three
-    assert FlashAttnRecord.load("test").chosen == {str(FIRST_DEPTH): "off"}  # kept
+    assert FlashAttnRecord.load("test").chosen == "off"  # kept
+    record.add_measurement(512, timing(1.0, 1.03))  # runs went deeper: a near tie there
+    assert record.verdict(512) == "off"
 
 
 def test_runs_that_spend_otherwise_than_measured_are_measured_again(cache: Path) -> None:
@@ -91,7 +93,7 @@ def test_runs_that_spend_otherwise_than_measured_are_measured_again(cache: Path)
     assert record.runs_disagree(FIRST_DEPTH)
     record.measure_again(FIRST_DEPTH)
     assert record.measured_at(FIRST_DEPTH) == [] and not record.runs_disagree(FIRST_DEPTH)
-    assert record.chosen[str(FIRST_DEPTH)] == "on"  # until measured anew
+    assert record.chosen == "on"  # until measured anew
 
 
 def test_the_depth_is_where_the_runs_went(cache: Path) -> None:

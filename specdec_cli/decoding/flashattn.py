@@ -15,9 +15,10 @@ tokens) ran 7 % faster with it on. So, as the cost curve is:
   call of that size costs, by more than STALE, the measurements were not taken as the
   runs are (another depth, a busy machine): they are taken again.
 
-A choice, once made at a depth, changes only where new evidence puts the other setting
-ahead by more than NEAR_TIE: each change changes the logits' last bits, and with them a
-seeded sampled text, so a noisy near tie must not flip it from run to run.
+A choice, once made, changes only where new evidence (at whatever depth the runs have
+moved to) puts the other setting ahead by more than NEAR_TIE: each change changes the
+logits' last bits, and with them a seeded sampled text, so a noisy near tie must not flip
+it from run to run.
 """
 
 from __future__ import annotations
@@ -49,14 +50,14 @@ def depth_bucket(depth: float) -> int:
 
 @dataclass
 class FlashAttnRecord:
-    """What was measured of flash attention for one model and settings, what was chosen
-    at each depth, and what the runs spent (see the module's docstring)."""
+    """What was measured of flash attention for one model and settings, what was chosen,
+    and what the runs spent (see the module's docstring)."""
 
     key: str
     # depth, and for "on" and "off" the seconds of a call by tokens a slot ("1", "4")
     measurements: list[dict[str, Any]] = field(default_factory=list)
     runs: list[dict[str, Any]] = field(default_factory=list)  # depth, used, per_call, size
-    chosen: dict[str, str] = field(default_factory=dict)  # by depth
+    chosen: str | None = None
 
     @classmethod
     def load(cls, key: str) -> FlashAttnRecord:
@@ -66,7 +67,7 @@ class FlashAttnRecord:
                 key,
                 [dict(m) for m in entry.get("measurements", [])],
                 [dict(r) for r in entry.get("runs", [])],
-                dict(entry.get("chosen", {})),
+                entry["chosen"] if entry.get("chosen") in ("on", "off") else None,
             )
         except (TypeError, ValueError):  # another format: measured again
             return cls(key)
@@ -100,22 +101,21 @@ class FlashAttnRecord:
         self.save()
 
     def verdict(self, depth: int) -> str:
-        """ "on" or "off" at this depth: the measurements' median, where it puts one
-        setting ahead by more than NEAR_TIE of what was chosen before (a tie, with
-        nothing chosen, goes to on: llama.cpp's own choice on a CPU)."""
+        """Flash attention on or off: the median of the measurements at this depth, where
+        it puts one setting ahead by more than NEAR_TIE of what was chosen before (a tie,
+        with nothing chosen, goes to on: llama.cpp's own choice on a CPU)."""
         measured = self.measured_at(depth)
         ratio = statistics.median(_total(m["off"]) / _total(m["on"]) for m in measured)
         faster = "on" if ratio >= 1.0 else "off"
-        before = self.chosen.get(str(depth))
-        if before is None or (faster != before and abs(ratio - 1.0) > NEAR_TIE):
-            self.chosen[str(depth)] = faster
+        if self.chosen is None or (faster != self.chosen and abs(ratio - 1.0) > NEAR_TIE):
+            self.chosen = faster
             self.save()
-        return self.chosen[str(depth)]
+        return self.chosen
 
     def runs_disagree(self, depth: int) -> bool:
         """Whether the last RUNS_TO_CHECK runs at this depth, with the setting chosen
         there, spent a call more or less than its measurements say by more than STALE."""
-        used, measured = self.chosen.get(str(depth)), self.measured_at(depth)
+        used, measured = self.chosen, self.measured_at(depth)
         runs = [r for r in self.runs if r["depth"] == depth and r["used"] == used]
         if not measured or len(runs) < RUNS_TO_CHECK:
             return False
