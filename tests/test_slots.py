@@ -84,9 +84,13 @@ def parallel_engine(
     tree: str = "auto",
     ngram_memory: int = 0,
 ) -> Engine:
-    """An engine of `parallel` slots of 256 tokens each."""
+    """An engine of `parallel` slots of 256 tokens each. Flash attention off: -fa auto's
+    first runs each measure it (test_flash_attn tests that, in slots too), and the
+    measurements' decode calls would count among the ones these tests count."""
     drafting = DraftOptions(k=str(k), tree=tree, ngram_memory=ngram_memory)
-    options = EngineOptions(target, draft, n_ctx=256 * parallel, threads=1, parallel=parallel)
+    options = EngineOptions(
+        target, draft, n_ctx=256 * parallel, threads=1, parallel=parallel, flash_attn="off"
+    )
     return Engine(replace(options, sampling=sampling, drafting=drafting))
 
 
