@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 import jsonschema
 import numpy as np
+import openai
 import pytest
+from pydantic import BaseModel
 from scipy.stats import chi2_contingency
 from test_cli_run import assert_user_error, specdec
 from test_decode import PROMPT, REPEATING_PROMPT, contingency, open_engine
@@ -519,8 +522,33 @@ def test_serve_tool_choice_is_enforced_by_a_grammar(grammar_server, choice, name
         jsonschema.validate(json.loads(arguments), schema["function"]["parameters"])
 
 
-def test_tool_call_grammar_in_every_format(target_model: Path) -> None:
-    """Each format's grammar gives a reply that its parser reads as one call."""
+class Pet(BaseModel):
+    kind: Literal["cat", "dog"]
+
+
+class Adopt(BaseModel):  # small: the random model pads with white space
+    pet: Pet
+
+
+# A tool as the openai client writes one from a Pydantic model with a nested one: $defs
+# and $refs within its parameters.
+ADOPT = openai.pydantic_function_tool(Adopt)
+
+
+def validate_call(name: str, arguments: str) -> None:
+    """The arguments follow the called tool's parameters."""
+    if name == "Adopt":
+        assert isinstance(Adopt.model_validate_json(arguments).pet, Pet)
+    else:
+        schema = next(t for t in (ADD, SHOUT) if t["function"]["name"] == name)
+        jsonschema.validate(json.loads(arguments), schema["function"]["parameters"])
+
+
+@pytest.mark.parametrize("tools", [[ADD, SHOUT], [ADOPT]], ids=["plain", "pydantic $defs"])
+def test_tool_call_grammar_in_every_format(target_model: Path, tools: list[dict]) -> None:
+    """Each format's grammar gives a reply that its parser reads as one call, whose
+    arguments follow its parameters (their $refs resolved within them: they were
+    resolved against the combined call schema, and refused)."""
     from specdec_cli.decoding.grammar import lark_literal
     from specdec_cli.serve.toolcalls import (
         GENERIC,
@@ -533,18 +561,25 @@ def test_tool_call_grammar_in_every_format(target_model: Path) -> None:
 
     with open_engine(target_model) as engine:
         for kind in (HERMES, MISTRAL, LLAMA3, GENERIC):
-            lark = call_grammar(
-                kind,
-                [ADD, SHOUT],
-                False,
-                lambda t: lark_literal(engine.model, t),
-            )
-            out, stats = run(engine, engine.decoder, Grammar.lark(lark), n=200)
+            lark = call_grammar(kind, tools, False, lambda t: lark_literal(engine.model, t))
+            # (as long as the context allows: the random model pads with white space)
+            out, stats = run(engine, engine.decoder, Grammar.lark(lark), n=240)
             assert stats.stop_reason == "eos", kind
             parser = ToolCallParser(kind, parallel=False)
             parser.feed(text(engine, out))
             (call,) = parser.finish().calls
-            assert call.name in ("add", "shout"), kind
+            validate_call(call.name, call.arguments)
+
+
+def test_serve_tool_choice_with_pydantic_parameters(grammar_server) -> None:
+    """tool_choice "required" with a tool whose parameters hold $defs: no 400 (the
+    reply is cut short, the chat prompt leaving the random model too few tokens to end
+    its padded call: see test_tool_call_grammar_in_every_format for a whole call)."""
+    messages = [{"role": "user", "content": "Adopt"}]
+    fields = {"messages": messages, "tools": [ADOPT], "tool_choice": "required"}
+    reply = complete(grammar_server, fields, max_tokens=24, path="chat/completions")
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"].startswith('{"tool_calls"')
 
 
 def test_hermes_markers_that_are_control_tokens(tool_model: Path) -> None:  # noqa: F811
@@ -643,6 +678,25 @@ def many_properties(n: int) -> dict:
     return {"type": "object", "properties": properties}
 
 
+def rule_chain(n: int, brackets: int = 0, lark: bool = False) -> str:
+    """A grammar whose rules chain n deep, each the next within `brackets` levels of
+    brackets (llguidance's compiler recursed on it until the stack overflowed)."""
+    defines, root = (":", "start") if lark else (" ::=", "root")
+    rules = [f"{root}{defines} r0"]
+    for i in range(n):
+        rules.append(f'r{i}{defines} {"(" * brackets}"a" r{i + 1}{")" * brackets}')
+    return "\n".join([*rules, f'r{n}{defines} "b"'])
+
+
+def many_rules(n: int) -> str:
+    return (
+        "root ::= "
+        + " | ".join(f"r{i}" for i in range(n))
+        + "\n"
+        + "\n".join(f'r{i} ::= "a{i}"' for i in range(n))
+    )
+
+
 MEGABYTE = 2**20
 # Each refused in one line: (grammar or JSON schema, words of the message).
 HOSTILE = {
@@ -661,6 +715,9 @@ HOSTILE = {
     "$ref chain 5000 deep": (ref_chain(5000), ["nests too deeply", "5004 levels", "$ref"]),
     "nesting 600 deep": (nested_arrays(600), ["nests too deeply", "601 levels"]),
     "1 MB schema too large": (many_properties(25000), ["JSON schema is too large", "smaller"]),
+    "rule chain 3000 deep": (rule_chain(3000), ["grammar nests too deeply", "3002 levels"]),
+    "lark rules in brackets": (rule_chain(1000, 4, lark=True), ["nests too deeply", "5002"]),
+    "5000 rules": (many_rules(5000), ["grammar has 5001 rules", "at most 4000"]),
 }
 
 
@@ -812,14 +869,55 @@ def test_schemas_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
     assert result.returncode == 0
 
 
+@pytest.mark.parametrize(
+    ("grammar", "bound"),
+    [
+        (rule_chain(3), 5),  # root, r0 to r3
+        (rule_chain(3, 2, lark=True), 11),  # start, three levels for each link, r3
+        ('root ::= [a-z] x\nx ::= x | "(" [)(]', 2),  # strings and classes hold no brackets
+        ('start: x\nx: /[(]/ x | "y" // (((\n', 2),  # nor regexes, nor comments
+        ('root ::= a\na ::= b\nb ::= a | "c"', 3),  # a cycle: each of its rules once
+    ],
+)
+def test_grammar_depth_bounds_what_llguidance_recurses_through(grammar: str, bound: int) -> None:
+    from specdec_cli.decoding.grammar import grammar_depth
+
+    assert grammar_depth(grammar) == bound
+
+
+def test_grammars_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
+    """The bound's margin, as for schemas: chains just within it, of plain rules and of
+    rules in brackets, compile on a 2 MB thread stack in a child process."""
+    import subprocess
+    import sys
+
+    from specdec_cli.decoding.grammar import MAX_GRAMMAR_DEPTH, grammar_depth
+
+    grammars = [rule_chain(MAX_GRAMMAR_DEPTH - 2, lark=True)]
+    grammars.append(rule_chain((MAX_GRAMMAR_DEPTH - 2) // 5, 4, lark=True))
+    assert [grammar_depth(g) for g in grammars] == [MAX_GRAMMAR_DEPTH] * 2
+    script = (
+        "import json, sys, threading, llguidance\n"
+        "grammars = json.load(sys.stdin)\n"
+        "threading.stack_size(2 * 2**20)\n"
+        "def compile():\n"
+        "    for lark in grammars:\n"
+        "        grammar = llguidance.LLMatcher.grammar_from_lark(lark)\n"
+        "        assert not llguidance.LLMatcher.validate_grammar_with_warnings(grammar)[0]\n"
+        "thread = threading.Thread(target=compile); thread.start(); thread.join()\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], input=json.dumps(grammars), text=True, timeout=120
+    )
+    assert result.returncode == 0
+
+
 # --- The official client's structured output: a Pydantic model, round trip.
 
 
 def test_openai_parse_with_a_pydantic_model(grammar_server) -> None:
     """client.chat.completions.parse sends the model's strict schema (its $defs, and
     additionalProperties false) and reads the reply back into the model."""
-    from typing import Literal
-
     import openai
     from pydantic import BaseModel, Field
 

@@ -24,9 +24,10 @@ no undo. llguidance computes a mask in about 0.1 ms and says which tokens are fo
 
 Hostile input: llguidance bounds its own work (LLParserLimits: its defaults, e.g. 500,000
 symbols a grammar, 50,000 parser items a step), and a grammar that meets a bound fails
-in one line. Two things it does not bound are checked here: how deep a JSON schema's
+in one line. Three things it does not bound are checked here: how deep a JSON schema's
 $refs chain (its compiler recurses, and a deep chain overflows the stack: a segmentation
-fault, see schema_depth), and a grammar no text completes that fails before the model
+fault, see schema_depth), how deep a grammar's rules chain (the same, see
+check_grammar_size), and a grammar no text completes that fails before the model
 chooses anything (see Grammar.check). One that fails later ends its generation with a
 UserError; one that never fails but never ends (`root ::= [a-z] root`) stops at
 max_tokens, as any generation does.
@@ -36,6 +37,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import sys
 import threading
 from collections.abc import Iterator
@@ -46,7 +48,7 @@ from urllib.parse import unquote
 import llama_cpp
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark
+from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Model
@@ -63,6 +65,17 @@ JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 # not). Its JSON reader stops at 128 levels in one piece, but $refs chain pieces without
 # limit. A quarter of what overflowed, and far more than real schemas nest.
 MAX_SCHEMA_DEPTH = 512
+# The deepest llguidance may recurse through a grammar's rules, and the most rules. Its
+# compiler enters a rule's definition where it first meets the rule, by recursion, as it
+# does a schema's $refs (measured, 1.9.1: a chain of 2,500 rules compiled on an 8 MB
+# thread stack and 2,750 overflowed it; on 2 MB, 600 and 700; a rule four brackets deep
+# costs less than five rules). The server compiles in a worker thread (8 MB on glibc, as
+# the main thread): a quarter of what overflowed there, under what overflowed on 2 MB.
+# The bound on depth also bounds gbnf_to_lark's time, quadratic in a chain's length
+# (1,000 rules 0.4 s, 4,000 8.5 s), and with the bound on rules its time on many chains
+# (8 of 500 rules, about 1 s).
+MAX_GRAMMAR_DEPTH = 512
+MAX_GRAMMAR_RULES = 4000
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,7 @@ class Grammar:
         """llama.cpp's GBNF (a grammar already in Lark is taken as it is)."""
         if not text.strip():
             raise UserError("the grammar is empty")
+        check_grammar_size(text)
         try:
             lark = any_to_lark(text)
         except Exception as e:  # its parser raises plain Exceptions
@@ -157,6 +171,84 @@ def check_schema_depth(schema: object) -> None:
     depth = schema_depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise UserError(_too_deep(str(depth)))
+
+
+def check_grammar_size(text: str) -> None:
+    """Raise UserError, in one line, if a GBNF or Lark grammar has more than
+    MAX_GRAMMAR_RULES rules, or a chain of rules deeper than MAX_GRAMMAR_DEPTH (see
+    grammar_depth), before llguidance's compiler sees it."""
+    rules = _GrammarRules(text)
+    if len(rules.weights) > MAX_GRAMMAR_RULES:
+        raise UserError(
+            f"the grammar has {len(rules.weights)} rules (at most {MAX_GRAMMAR_RULES}); "
+            "make it smaller"
+        )
+    depth = rules.depth()
+    if depth > MAX_GRAMMAR_DEPTH:
+        raise UserError(
+            f"the grammar nests too deeply: a chain of rules {depth} levels deep, counting "
+            f"the brackets within each (at most {MAX_GRAMMAR_DEPTH}); shorten its chains of "
+            "rules that refer to the next"
+        )
+
+
+def grammar_depth(text: str) -> int:
+    """A depth llguidance's compiler never recurses past on a GBNF or Lark grammar: the
+    heaviest chain of rules, each referring to the next, each weighing one level and one
+    for each level of brackets within it; rules that reach each other (a cycle) counted
+    whole, as in schema_depth."""
+    return _GrammarRules(text).depth()
+
+
+# Tokens of a grammar, as far as its rules go: strings, character classes (GBNF) or
+# regular expressions (Lark), and comments are passed over whole; names, brackets, and
+# the sign that defines a rule are what count.
+_GBNF_TOKENS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|::=|[\w-]+|[()]')
+_LARK_TOKENS = re.compile(
+    r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*|[A-Za-z_][\w.]*|[()\[\]:]'
+)
+
+
+class _GrammarRules:
+    """A grammar's rules by number: `weights` (one, and one for each level of brackets
+    within the rule) and `edges` (each rule to those it names)."""
+
+    def __init__(self, text: str) -> None:
+        lark = is_lark_syntax(text)
+        pattern, defines = (_LARK_TOKENS, ":") if lark else (_GBNF_TOKENS, "::=")
+        tokens = [t for t in pattern.findall(text) if t[0] != "#" and t[:2] != "//"]
+        self.names: dict[str, int] = {}
+        self.weights: dict[int, int] = {}
+        named: dict[int, set[str]] = {}
+        rule, depth = -1, 0
+        for token, after in zip(tokens, [*tokens[1:], ""], strict=True):
+            if after == defines and (token[0].isalnum() or token[0] in "_-"):
+                rule, depth = self._number(token.split(".")[0]), 0
+                self.weights.setdefault(rule, 1)
+                named.setdefault(rule, set())
+            elif rule < 0 or token == defines:
+                continue
+            elif token in ("(", "["):
+                depth += 1
+                self.weights[rule] = max(self.weights[rule], 1 + depth)
+            elif token in (")", "]"):
+                depth = max(depth - 1, 0)
+            elif token[0].isalnum() or token[0] in "_-":
+                named[rule].add(token)
+        self.edges = {
+            rule: {self.names[n] for n in names if n in self.names} for rule, names in named.items()
+        }
+
+    def _number(self, name: str) -> int:
+        return self.names.setdefault(name, len(self.names))
+
+    def depth(self) -> int:
+        """The heaviest chain from any rule (llguidance may compile rules the start does
+        not reach): from a node before them all."""
+        before = len(self.names)
+        weights = {**self.weights, before: 0}
+        edges = {**self.edges, before: set(self.weights)}
+        return _heaviest_path(weights, edges, before)
 
 
 def _too_deep(depth: str) -> str:

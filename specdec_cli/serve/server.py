@@ -767,7 +767,10 @@ class Api:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
         body = await read_body(request)
-        parsed = parse_request(parse_body(body), endpoint.chat, service.engine_options.sampling)
+        # in a helper thread: a grammar may take a second to convert and compile
+        parsed = await asyncio.to_thread(
+            parse_request, parse_body(body), endpoint.chat, service.engine_options.sampling
+        )
         service.check_speculation(parsed.speculation)
         try:
             prompt = await asyncio.to_thread(service.prompt_tokens, parsed)

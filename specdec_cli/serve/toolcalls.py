@@ -32,6 +32,8 @@ HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
 MARKER_TEXTS = {HERMES: ("<tool_call>", "</tool_call>"), MISTRAL: ("[TOOL_CALLS]",),
                 LLAMA3: ("<|python_tag|>",), GENERIC: ()}  # fmt: skip
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+# A $ref to a part of its own document, in JSON text as json.dumps writes it.
+_LOCAL_REF = re.compile(r'"\$ref": "#(?=[/"])')
 
 
 def format_for(template: str) -> str:
@@ -160,8 +162,9 @@ def call_grammar(
     arguments = "parameters" if kind == LLAMA3 else "arguments"
     # llama.cpp's whitespace between JSON tokens (llguidance's default has no limit)
     spacing = {"whitespace_pattern": JSON_WHITESPACE}
-    calls = [_call_schema(tool["function"], arguments) for tool in tools]
-    call = {"anyOf": calls, "x-guidance": spacing}
+    defs = {_def_name(i): _parameters(tool["function"], i) for i, tool in enumerate(tools)}
+    calls = [_call_schema(tool["function"], arguments, i) for i, tool in enumerate(tools)]
+    call = {"anyOf": calls, "x-guidance": spacing, "$defs": defs}
     many: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         many["maxItems"] = 1
@@ -174,7 +177,7 @@ def call_grammar(
             "NL: /\\n/\n"
         )
     if kind == MISTRAL:
-        many["x-guidance"] = spacing
+        many["x-guidance"], many["$defs"] = spacing, defs
         return f"start: {marker('[TOOL_CALLS]')} {_lark_json(many)}\n"
     if kind == LLAMA3:
         return f"start: {_lark_json(call)}\n"
@@ -184,6 +187,7 @@ def call_grammar(
         "required": ["tool_calls"],
         "additionalProperties": False,
         "x-guidance": spacing,
+        "$defs": defs,
     }
     return f"start: {_lark_json(generic)}\n"
 
@@ -195,13 +199,39 @@ def _lark_json(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps(schema)}"
 
 
-def _call_schema(function: dict[str, Any], arguments: str) -> dict[str, Any]:
-    parameters = function.get("parameters")
-    if not isinstance(parameters, dict) or not parameters:
-        parameters = {"type": "object"}
+def _call_schema(function: dict[str, Any], arguments: str, index: int) -> dict[str, Any]:
+    """A call of the `index`th tool: its arguments are its parameters, lifted into the
+    combined schema's $defs (see _parameters)."""
     return {
         "type": "object",
-        "properties": {"name": {"const": function["name"]}, arguments: parameters},
+        "properties": {
+            "name": {"const": function["name"]},
+            arguments: {"$ref": f"#/$defs/{_def_name(index)}"},
+        },
         "required": ["name", arguments],
         "additionalProperties": False,
     }
+
+
+def _def_name(index: int) -> str:
+    return f"tool_{index}_parameters"
+
+
+def _parameters(function: dict[str, Any], index: int) -> Any:
+    """The tool's parameters schema, as it stands in the combined schema's $defs: its
+    $refs within itself ("#/$defs/Pet", as Pydantic writes them) rewritten to start from
+    there, for they are resolved against the combined schema's root. Its depth is
+    checked first: the rewriting recurses."""
+    parameters = function.get("parameters")
+    if not isinstance(parameters, dict) or not parameters:
+        return {"type": "object"}
+    check_schema_depth(parameters)
+    return _rebased(parameters, f"#/$defs/{_def_name(index)}")
+
+
+def _rebased(schema: dict[str, Any], base: str) -> Any:
+    """`schema` with every $ref to a part of its own document ("#", "#/...") made a $ref
+    to the same part under `base`: rewritten in its JSON text, where such a $ref can only
+    be a key and its value (a string's quotes are escaped within it)."""
+    text = _LOCAL_REF.sub(lambda _: f'"$ref": "{base}', json.dumps(schema))
+    return json.loads(text)
