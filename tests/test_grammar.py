@@ -776,6 +776,24 @@ def test_serve_hostile_grammars_are_400_and_it_goes_on(grammar_server, name: str
     assert complete(grammar_server, {}).status_code == 200
 
 
+def test_serve_a_grammar_that_fails_ends_only_its_own_request(grammar_server) -> None:
+    """Two requests decoded in the same steps: the one whose grammar meets a dead end
+    after its first token gets its 400, and the other runs on to its length."""
+    import httpx
+
+    dead_end, words = HOSTILE["dead end after a choice"]
+    assert isinstance(dead_end, str)
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    body["grammar"] = "root ::= [a-z] root"  # letters to the end: no early stop
+    url = f"{grammar_server.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as running:
+        events = (line[6:] for line in running.iter_lines() if line.startswith("data: "))
+        next(events)  # it is generating
+        assert_refused(complete(grammar_server, {"grammar": dead_end}, max_tokens=16), *words)
+        chunks = [json.loads(event) for event in events if event != "[DONE]"]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
+
+
 def test_serve_hostile_tool_parameters_are_400_and_it_goes_on(grammar_server) -> None:
     """A tool's parameters go into the grammar that tool_choice "required" builds: the
     same bound on their depth."""

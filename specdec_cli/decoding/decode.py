@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from specdec_cli.llamacpp.llama import Context
 VERBATIM = NgramDrafter.VERBATIM_SOURCE
 FORCED = "grammar"  # a draft of the tokens a grammar forces (see Generation.drafting)
 LOOKUPS = (NgramDrafter.name, VERBATIM)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,8 @@ class Decoder:
         try:
             while not generation.finished:
                 step([generation])
+                if generation.error is not None:
+                    raise generation.error
                 if generation.round:
                     yield generation.round
         finally:
@@ -277,17 +280,34 @@ def step(
     for g in generations:
         g.round = None
     # Every slot's draft at once: one draft decode call a depth for them all.
-    drafting = [g.drafting(plan) for g, plan in zip(players, plans, strict=True)]
-    drafts = draft_together(drafting, [g.decoder.drafter.ctx for g in players if g.decoder.drafter])
-    for g, plan, draft in zip(players, plans, drafts, strict=True):
-        g.stage_round(plan, draft)
+    planned = dict(zip(players, plans, strict=True))
+    drafting = _each(players, lambda g: g.drafting(planned[g]))
+    players = [g for g, _ in drafting]
+    contexts = [g.decoder.drafter.ctx for g in players if g.decoder.drafter]
+    drafts = draft_together([steps for _, steps in drafting], contexts)
+    for g, draft in zip(players, drafts, strict=True):
+        g.stage_round(planned[g], draft)
     room = min(target.batch_room, budget)
     for g in readers:
         room -= g.stage_prompt(room)
     n_tokens = target.flush()
-    for g in players:
-        g.conclude(timed=alone)
+    _each(players, lambda g: g.conclude(timed=alone))
     return n_tokens
+
+
+def _each(
+    generations: Sequence[Generation], action: Callable[[Generation], T]
+) -> list[tuple[Generation, T]]:
+    """Each generation with what `action` gives for it, but those whose grammar fails in
+    it (a UserError: a dead end, or a limit of llguidance's met): each of those ends with
+    its error alone (see Generation.fail), and the others of the step go on."""
+    done = []
+    for g in generations:
+        try:
+            done.append((g, action(g)))
+        except UserError as error:
+            g.fail(error)
+    return done
 
 
 def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generation], int]:
@@ -410,6 +430,7 @@ class Generation:
         self.tokens = list(prompt)
         self.n_new = 0
         self.finished = False
+        self.error: UserError | None = None  # why it ended early, its grammar's fault
         self.round: Round | None = None  # the last step's new tokens
         self.draft = NO_DRAFT
         stats.k, stats.tree = decoder.label, decoder.tree_label
@@ -661,6 +682,10 @@ class Generation:
             return out
         finally:
             masks.close()
+
+    def fail(self, error: UserError) -> None:
+        """End now with `error` (see step's _each): the round is lost."""
+        self.error, self.finished, self.round = error, True, None
 
     def close(self) -> None:
         """The generation's figures, whether it ran to its end or was stopped early."""

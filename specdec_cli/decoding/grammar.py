@@ -29,7 +29,8 @@ $refs chain (its compiler recurses, and a deep chain overflows the stack: a segm
 fault, see schema_depth), how deep a grammar's rules chain (the same, see
 check_grammar_size), and a grammar no text completes that fails before the model
 chooses anything (see Grammar.check). One that fails later ends its generation with a
-UserError; one that never fails but never ends (`root ::= [a-z] root`) stops at
+UserError (that generation alone: the others decoded in the same step go on, see
+decode.step); one that never fails but never ends (`root ::= [a-z] root`) stops at
 max_tokens, as any generation does.
 """
 

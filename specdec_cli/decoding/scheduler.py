@@ -258,7 +258,12 @@ class Scheduler:
         self.counters.busy_slot_decodes += len(busy)
         self.counters.decoded_tokens += n_tokens
         for slot in busy:
-            self._deliver(slot)
+            assert slot.task is not None
+            error = slot.task.generation.error  # its grammar's, its own (see decode.step)
+            if error is not None:
+                self._end(slot, error)
+            else:
+                self._deliver(slot)
 
     def _deliver(self, slot: Slot) -> None:
         """The slot's new pieces to its task; its end, if this round was its last."""
