@@ -239,6 +239,57 @@ def test_eos_ends_real_text(gemma3_full_stop: Path) -> None:
     assert record["text"] == "\n\nThe capital of France is Paris"
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "weather",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 20},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def assert_a_weather_call(client: openai.OpenAI, choice: object) -> None:
+    """tool_choice "required" or named: a call that parses and follows its parameters."""
+    reply = client.chat.completions.create(
+        model="gemma",
+        messages=[{"role": "user", "content": "How warm is it in Paris?"}],
+        tools=[WEATHER],  # type: ignore[list-item]
+        tool_choice=choice,  # type: ignore[arg-type]
+        parallel_tool_calls=False,  # else the base model calls it again and again
+        max_tokens=128,
+    )
+    assert reply.choices[0].finish_reason == "tool_calls", reply.choices[0].message.content
+    (call,) = reply.choices[0].message.tool_calls or []
+    assert call.function.name == "weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+
+
+def test_tool_choice_makes_gemma_call_a_tool(gemma3: Path, tmp_path: Path) -> None:
+    """tool_choice "required" or a named function: the base model, with a ChatML template
+    that lists the tools (tools need a Jinja template), replies with a call that parses
+    and follows the tool's parameters (the generic JSON format, drafted by the lookup)."""
+    from test_grammar import TOOLS_TEMPLATE
+
+    template = tmp_path / "chatml-tools.jinja"
+    template.write_text(TOOLS_TEMPLATE)
+    flags = ("-np", "1", "-t", "0", "--temp", "0", "--chat-template-file", str(template))
+    server = start(tmp_path, "-m", str(gemma3), "-d", "ngram", *flags, *QUICK)
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        for choice in ("required", {"type": "function", "function": {"name": "weather"}}):
+            assert_a_weather_call(client, choice)
+    finally:
+        assert server.stop() == 0, server.output()
+
+
 def test_serve_with_the_openai_client(gemma3: Path, tmp_path: Path) -> None:
     """No chat template in the file: the server falls back to ChatML and says so; the
     chat endpoint answers, as do completions, greedy equal to the engine's."""
