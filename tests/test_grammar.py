@@ -85,9 +85,10 @@ def schema_reference(target_model: Path) -> tuple[list[int], str]:
 def test_the_mask_changes_the_greedy_output(target_model: Path, schema_reference) -> None:
     with open_engine(target_model) as engine:
         free, _ = run(engine, engine.decoder, None)
+        written = text(engine, free)  # while the model is loaded
     assert free[: len(schema_reference[0])] != schema_reference[0]
     with pytest.raises(ValueError):
-        json.loads(text(engine, free))
+        json.loads(written)
 
 
 def test_target_only_output_follows_the_schema(schema_reference) -> None:
@@ -179,8 +180,9 @@ def test_sampled_speculative_matches_constrained_target(
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, decoder, grammar, seeds)
         _, stats = run(engine, decoder, grammar, REPEATING_PROMPT, 64)
+        written = [text(engine, list(row)) for row in speculative]  # while it is loaded
     assert 0.0 < stats.acceptance_rate < 1.0
-    assert not any("r" in text(engine, list(row)) for row in speculative)
+    assert not any("r" in row for row in written)
     assert contingency(constrained_baseline[:, 0], speculative[:, 0]).shape[1] > 3
     assert min(alike(constrained_baseline, speculative)) > 1e-3
 
@@ -1041,8 +1043,9 @@ def test_every_schema_feature_validates_and_speculation_changes_nothing(
     grammar = Grammar.json_schema(schema)
     with open_engine(target_model) as engine:
         reference, stats = run(engine, engine.decoder, grammar, n=160)
+        written = text(engine, reference)  # while the model is loaded
     assert stats.stop_reason == "eos"  # the grammar ran to its end
-    jsonschema.validate(json.loads(text(engine, reference)), schema)
+    jsonschema.validate(json.loads(written), schema)
     with open_engine(target_model, draft_model, 3, tree="off") as engine:
         out, stats = run(engine, engine.make_decoder("model", "3"), grammar, n=160)
     assert out == reference
