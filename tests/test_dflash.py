@@ -29,6 +29,7 @@ from test_heads import (
     llama_cpp_rounds,
     open_with_head_file,
     run_in_slots,
+    serve_two_at_once,
     without_target_states,
 )
 
@@ -262,3 +263,18 @@ def test_auto_prices_a_dflash_round_as_one_call(known) -> None:
     ]
     assert drafting == pytest.approx([0.005, 0.005])
     assert chain.of(8) - chain.of(1) > 7 * 0.005
+
+
+def test_serve_drafts_with_dflash_in_two_slots(known, tmp_path: Path) -> None:
+    """`specdec serve -d DFLASH.gguf -np 2`: two requests at once, one DFlash context for
+    both; each text is the target's cycle, and drafts were accepted."""
+    target, head, ka = known
+    texts, accepted = serve_two_at_once(tmp_path, "-m", str(target), "-d", str(head))
+    with open_with_head_file(target, head, 3) as engine:
+        prompt = engine.tokenize(PROMPT)
+        cycle = [int(ka.succ[prompt[-1]])]
+        while len(cycle) < 24:
+            cycle.append(int(ka.succ[cycle[-1]]))
+        expected = b"".join(engine.model.piece(t) for t in cycle).decode()
+    assert texts == [expected, expected]
+    assert accepted > 0

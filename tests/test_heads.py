@@ -542,17 +542,15 @@ def test_measuring_costs_prices_a_head_step(mtp_model: Path) -> None:
     assert set(costs.verify) >= {1, 2, 4}
 
 
-def test_serve_drafts_with_the_head_in_two_slots(
-    mtp_model: Path, reference: list[int], tmp_path: Path
-) -> None:
-    """Two requests at once through `specdec serve -np 2` (one head context for both
-    slots): each is the target's own greedy text, and the head's drafts were accepted."""
+def serve_two_at_once(tmp_path: Path, *args: str) -> tuple[list[str], int]:
+    """Two greedy completions of PROMPT at once through `specdec serve -np 2` with these
+    model flags: their texts, and the drafted tokens the server says were accepted."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
     from test_server import start
 
-    server = start(tmp_path, "-m", str(mtp_model), "-np", "2", "-k", "3", "-c", "512")
+    server = start(tmp_path, *args, "-np", "2", "-k", "3", "-c", "512")
     try:
         body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
         with ThreadPoolExecutor(2) as pool:
@@ -565,11 +563,21 @@ def test_serve_drafts_with_the_head_in_two_slots(
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
     finally:
         assert server.stop() == 0, server.output()
+    accepted = re.search(r"spec_decode_num_accepted_tokens_total (\d+)", metrics)
+    assert accepted
+    return [r.json()["choices"][0]["text"] for r in replies], int(accepted.group(1))
+
+
+def test_serve_drafts_with_the_head_in_two_slots(
+    mtp_model: Path, reference: list[int], tmp_path: Path
+) -> None:
+    """Two requests at once through `specdec serve -np 2` (one head context for both
+    slots): each is the target's own greedy text, and the head's drafts were accepted."""
+    texts, accepted = serve_two_at_once(tmp_path, "-m", str(mtp_model))
     with open_engine(mtp_model, head=False) as engine:
         expected = b"".join(engine.model.piece(t) for t in reference[:24]).decode()
-    assert [r.json()["choices"][0]["text"] for r in replies] == [expected, expected]
-    accepted = re.search(r"spec_decode_num_accepted_tokens_total (\d+)", metrics)
-    assert accepted and int(accepted.group(1)) > 0
+    assert texts == [expected, expected]
+    assert accepted > 0
 
 
 def test_an_mtp_sidecar_drafts_as_the_models_own_head(
