@@ -73,7 +73,7 @@ def llama_speed(args: argparse.Namespace, prompt: str, spec: str, k: int, fa: st
     ]  # fmt: skip
     pattern = LLAMA_DECODE_SPEED
     if args.draft:
-        if args.draft != "mtp":  # mtp: the target's own head, no file
+        if args.draft not in ("mtp", "ngram"):  # the target's own head, a lookup: no file
             command += ["-md", args.draft, "-td", str(args.threads)]
         command += ["--spec-type", spec, "--spec-draft-n-max", str(k)]
         pattern = LLAMA_SPEED
