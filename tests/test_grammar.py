@@ -720,6 +720,8 @@ HOSTILE = {
     "rule chain 3000 deep": (rule_chain(3000), ["grammar nests too deeply", "3002 levels"]),
     "lark rules in brackets": (rule_chain(1000, 4, lark=True), ["nests too deeply", "5002"]),
     "5000 rules": (many_rules(5000), ["grammar has 5001 rules", "at most 4000"]),
+    # A schema inside a Lark grammar compiles as one (3,000 deep: past argv's 128 kB else).
+    "lark %json $ref chain": ("start: %json " + json.dumps(ref_chain(3000)), ["nests too deeply"]),
 }
 
 

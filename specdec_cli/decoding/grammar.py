@@ -96,6 +96,7 @@ class Grammar:
         if not text.strip():
             raise UserError("the grammar is empty")
         check_grammar_size(text)
+        check_embedded_schemas(text)
         try:
             lark = any_to_lark(text)
         except Exception as e:  # its parser raises plain Exceptions
@@ -191,6 +192,24 @@ def check_grammar_size(text: str) -> None:
             f"the brackets within each (at most {MAX_GRAMMAR_DEPTH}); shorten its chains of "
             "rules that refer to the next"
         )
+
+
+# Where a Lark grammar embeds a JSON schema (`%json { ... }`): compiled as a schema is.
+_EMBEDDED_SCHEMA = re.compile(r"%json\s*")
+
+
+def check_embedded_schemas(text: str) -> None:
+    """Refuse, in one line, a Lark grammar whose `%json` schemas nest deeper than a JSON
+    schema may (see check_schema_depth): llguidance compiles them alike."""
+    decoder = json.JSONDecoder()
+    for match in _EMBEDDED_SCHEMA.finditer(text):
+        try:
+            schema, _ = decoder.raw_decode(text, match.end())
+        except ValueError:
+            continue  # not JSON: llguidance's parser says what is wrong with it
+        except RecursionError:
+            raise UserError(_too_deep(f"over {sys.getrecursionlimit()}")) from None
+        check_schema_depth(schema)
 
 
 def grammar_depth(text: str) -> int:
