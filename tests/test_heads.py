@@ -497,12 +497,18 @@ def test_eagle3_drafts_what_its_tables_say(eagle3_pair, k: int) -> None:
     assert 0 < stats.accepted < stats.drafted
 
 
-def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypatch) -> None:
-    target, head, _ = eagle3_pair
+def accepts_nothing_without_states(target: Path, head: Path, k: int, monkeypatch) -> None:
+    """The control of a file reading the target's states: zeros in their place, and
+    nothing it drafts is accepted."""
     without_target_states(monkeypatch)
-    with open_with_head_file(target, head, 1) as engine:
+    with open_with_head_file(target, head, k) as engine:
         stats = generate(engine, n=32)[1]
     assert stats.drafted > 0 and stats.accepted == 0
+
+
+def test_eagle3_without_the_targets_states_accepts_nothing(eagle3_pair, monkeypatch) -> None:
+    target, head, _ = eagle3_pair
+    accepts_nothing_without_states(target, head, 1, monkeypatch)
 
 
 @pytest.mark.parametrize("k", [1, 3])

@@ -180,8 +180,7 @@ class Decoder:
         masks = PathMasks(constraint, draft.tokens, parents)
 
         def masked(row: int) -> np.ndarray:
-            allowed = masks.allowed(row)
-            return logits(row) if allowed is None else constraint.mask(logits(row), allowed)
+            return masks.masked(row, logits(row))
 
         def argmax(row: int) -> int:
             allowed = masks.allowed(row)
@@ -674,12 +673,10 @@ class Generation:
         # Post-sampling under a grammar: the masked distribution the token came from.
         masks = PathMasks(constraint, draft.tokens, draft.parent_list())
         try:
-            out = []
-            for row, token in zip(rows, tokens, strict=True):
-                allowed = masks.allowed(row)
-                values = logits(row) if allowed is None else constraint.mask(logits(row), allowed)
-                out.append(token_logprob(values, token, self.logprobs, self.sampling))
-            return out
+            return [
+                token_logprob(masks.masked(row, logits(row)), token, self.logprobs, self.sampling)
+                for row, token in zip(rows, tokens, strict=True)
+            ]
         finally:
             masks.close()
 

@@ -28,10 +28,10 @@ from specdec_cli.decoding.sampling import (
     distribution,
 )
 from specdec_cli.llamacpp.llama import Context
+from specdec_cli.llamacpp.rowexp import exp_sum
 
 if TYPE_CHECKING:
     from specdec_cli.decoding.grammar import Constraint
-from specdec_cli.llamacpp.rowexp import exp_sum
 
 
 @dataclass

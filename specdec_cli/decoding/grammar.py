@@ -642,5 +642,10 @@ class PathMasks:
             self._row = row
         return None if self._off else self.constraint.allowed()
 
+    def masked(self, row: int, logits: np.ndarray) -> np.ndarray:
+        """`row`'s logits under its mask (as they are where anything goes)."""
+        allowed = self.allowed(row)
+        return logits if allowed is None else self.constraint.mask(logits, allowed)
+
     def close(self) -> None:
         self.constraint.undo()

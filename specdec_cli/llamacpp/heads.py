@@ -70,18 +70,24 @@ class HiddenStates:
         self.start = 0  # the position of rows[0]
         self.end = 0  # one past the last position held
 
-    def record(self, pos: int, rows: np.ndarray) -> None:
-        """The states after positions pos, pos + 1, ...: a decode call's rows. A call
-        that starts before what is held (a rewind, a replay) replaces it from there."""
+    def record(self, pos: int, blocks: Sequence[np.ndarray]) -> None:
+        """The states after positions pos, pos + 1, ...: a decode call's rows, given as
+        blocks of columns side by side (one per layer read), copied once, into place. A
+        call that starts before what is held (a rewind, a replay) replaces it from there."""
         if not self.start <= pos <= self.end:
             self.start = self.end = pos  # what lay before is not needed again
-        n = pos - self.start + len(rows)
+        n_rows = len(blocks[0])
+        n = pos - self.start + n_rows
         if n > len(self.rows):
             grown = np.zeros((max(n, 2 * len(self.rows)), self.n_embd), np.float32)
             grown[: pos - self.start] = self.rows[: pos - self.start]
             self.rows = grown
-        self.rows[pos - self.start : n] = rows
-        self.end = pos + len(rows)
+        column = 0
+        for block in blocks:
+            width = block.shape[1]
+            self.rows[pos - self.start : n, column : column + width] = block
+            column += width
+        self.end = pos + n_rows
 
     def before(self, first: int, last: int) -> np.ndarray:
         """The states after positions first - 1 .. last - 1: what the head reads beside
@@ -157,8 +163,9 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
     whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(ptr) * n_embd)
 
     def decoded(pos: int, rows: slice) -> None:
-        blocks = [_floats(whole_batch, source()).reshape(-1, n_embd) for source in sources]
-        states.record(pos, np.hstack([block[rows.start : rows.stop] for block in blocks]))
+        states.record(
+            pos, [_floats(whole_batch, read()).reshape(-1, n_embd)[rows] for read in sources]
+        )
 
     target.on_decoded = decoded
     return states
@@ -332,9 +339,10 @@ class HeadContext:
         return out
 
     def hidden(self) -> np.ndarray:
-        """The head's own hidden state after that token: what it reads for the next."""
+        """The head's own hidden state after that token: what it reads for the next (a
+        view of llama.cpp's buffer, valid until the next decode: stage copies it first)."""
         ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._out)
-        return _floats(self._shared.state_row, ptr).reshape(1, -1).copy()
+        return _floats(self._shared.state_row, ptr).reshape(1, -1)
 
     def rewind(self, n_keep: int) -> int:
         """Forget every position >= n_keep (a head's memory is attention only)."""
@@ -373,7 +381,9 @@ class _HeadShared:
         self.encoded = ctypes.c_float * (n_ubatch * n_embd)
         self.staged: list[HeadContext] = []
         self.n_staged = 0
-        self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (text: the first)
+        self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (a token row: the first)
+        # A feature row's: M-RoPE's three text positions, and 0 (as llama.cpp's driver).
+        self._feature_pos = (ctypes.c_int32 * 4)()
         self.logit_row = ctypes.c_float * n_vocab
         self.state_row = ctypes.c_float * n_embd
         self._state = _RowPointer(n_embd)
@@ -412,7 +422,7 @@ class _HeadShared:
         no output (positions as llama.cpp's driver gives feature rows: M-RoPE's text
         three, and 0)."""
         features = np.ascontiguousarray(features, np.float32)
-        batch, place = self.encoder_batch, self._pos
+        batch, place = self.encoder_batch, self._feature_pos
         encode = out is not None
         process = (
             llama_cpp.LLAMA_PROCESS_TYPE_ENCODE if encode else llama_cpp.LLAMA_PROCESS_TYPE_DECODE
@@ -434,7 +444,6 @@ class _HeadShared:
             if encode:
                 rows = _floats(self.encoded, llama_cpp_ext.llama_get_embeddings_nextn(self.ptr))
                 out[start:stop] = rows.reshape(-1, self.n_embd)[: stop - start]
-        place[1] = place[2] = 0
         llama_cpp.llama_synchronize(self.ptr)
         return time.perf_counter() - t0
 
