@@ -21,6 +21,7 @@ from test_tools import tool_model  # noqa: F401 (a fixture)
 
 from specdec_cli.decoding import decode
 from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.drafters import Draft
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
@@ -107,14 +108,45 @@ def test_greedy_speculative_equals_constrained_target_only(
     assert stats.proposed_by[drafter] > 0  # the drafter drafted, not only the grammar
 
 
-def test_greedy_with_a_tree_setting_drafts_chains(
-    target_model: Path, draft_model: Path, schema_reference
+def drafts_of(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Draft]]:
+    """Every draft verified from now on, with the length of the text it follows."""
+    drafts: list[tuple[int, Draft]] = []
+    stage_round = decode.Generation.stage_round
+
+    def recorded(self: decode.Generation, plan: decode.Plan, draft: Draft) -> None:
+        drafts.append((len(self.tokens), draft))
+        stage_round(self, plan, draft)
+
+    monkeypatch.setattr(decode.Generation, "stage_round", recorded)
+    return drafts
+
+
+@pytest.mark.parametrize(("drafter", "tree"), [("model", "8"), ("model+ngram", "4")])
+def test_greedy_trees_under_a_schema_equal_constrained_target_only(
+    target_model: Path,
+    draft_model: Path,
+    schema_reference,
+    drafter: str,
+    tree: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    with open_engine(target_model, draft_model, 3, tree="8") as engine:
-        decoder = engine.make_decoder("model+ngram", "3")
-        out, stats = run(engine, decoder, Grammar.json_schema(SCHEMA))
-    assert out == schema_reference[0]
-    assert stats.accepted_beside == 0
+    """Trees under a grammar: each node drafted under the mask after its own path (every
+    node is one the grammar allows there), and the output is constrained target-only's."""
+    drafts = drafts_of(monkeypatch)
+    grammar = Grammar.json_schema(SCHEMA)
+    with open_engine(target_model, draft_model, 3, tree=tree) as engine:
+        prompt = len(engine.tokenize(PROMPT))
+        out, stats = run(engine, engine.make_decoder(drafter, "3"), grammar)
+        constraint = grammar.start(engine.model)
+        trees = [(n, d) for n, d in drafts if d.parents is not None and d.source == "model"]
+        assert trees and stats.proposed_by["model"] > 0
+        assert out == schema_reference[0]
+        for n_before, draft in trees:
+            constraint.advance(out[constraint.n_emitted : n_before - prompt])
+            for node in range(len(draft.tokens)):
+                *before, token = draft.path(node)
+                assert constraint.follow(before) and constraint.allowed()[token], (n_before, node)
+            constraint.undo()
 
 
 def test_gbnf_grammar_through_the_engine_options(target_model: Path, draft_model: Path) -> None:
@@ -170,18 +202,29 @@ def alike(a: np.ndarray, b: np.ndarray) -> list[float]:
     return [chi2_contingency(contingency(a[:, i], b[:, i])).pvalue for i in range(N_FIRST)]
 
 
-@pytest.mark.parametrize(("drafter", "k"), [("model", "3"), ("ngram", "3"), ("model", "1")])
+@pytest.mark.parametrize(
+    ("drafter", "k", "tree"),
+    [("model", "3", "off"), ("ngram", "3", "off"), ("model", "1", "off"), ("model", "3", "8")],
+)
 def test_sampled_speculative_matches_constrained_target(
-    target_model: Path, draft_model: Path, constrained_baseline: np.ndarray, drafter: str, k: str
+    target_model: Path,
+    draft_model: Path,
+    constrained_baseline: np.ndarray,
+    drafter: str,
+    k: str,
+    tree: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     grammar = Grammar.gbnf(NO_R)
     seeds = range(N_RUNS, 2 * N_RUNS)
-    with open_engine(target_model, draft_model, k, SAMPLING, tree="off") as engine:
+    drafts = drafts_of(monkeypatch)
+    with open_engine(target_model, draft_model, k, SAMPLING, tree=tree) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, decoder, grammar, seeds)
         _, stats = run(engine, decoder, grammar, REPEATING_PROMPT, 64)
         written = [text(engine, list(row)) for row in speculative]  # while it is loaded
     assert 0.0 < stats.acceptance_rate < 1.0
+    assert any(d.parents is not None for _, d in drafts) == (tree != "off")
     assert not any("r" in row for row in written)
     assert contingency(constrained_baseline[:, 0], speculative[:, 0]).shape[1] > 3
     assert min(alike(constrained_baseline, speculative)) > 1e-3

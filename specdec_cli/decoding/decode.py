@@ -532,9 +532,9 @@ class Generation:
         # A rejection-sampled round's shape decides which random numbers go where: it is
         # shaped as alone, so that a seed gives the same text beside any neighbours.
         beside = plan.beside if self.sampling.draft_invariant else 0
-        # Under a grammar, chains: each draft token is drawn under the grammar's mask,
-        # tried in the matcher for the next (stage_round takes them back).
-        shape = tree.shape(k, plan.limit, beside) if tree and constraint is None else None
+        # Under a grammar, each draft token is drawn under the mask after its path, tried
+        # in the matcher (stage_round takes them back).
+        shape = tree.shape(k, plan.limit, beside) if tree else None
         if model is not None:
             model.constraint = constraint
         length = plan.length
@@ -628,7 +628,7 @@ class Generation:
                 beside=beside,
                 chances=chances or (),
             )
-            if decoder.tree and self.constraint is None:
+            if decoder.tree:
                 decoder.tree.observe(draft, path)
 
         new = [*(draft.tokens[i] for i in path), next_token]

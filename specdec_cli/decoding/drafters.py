@@ -66,6 +66,15 @@ class Draft:
                 node = i
         return path
 
+    def path(self, node: int) -> list[int]:
+        """The tokens from the root to `node`, itself the last (none for the root, -1)."""
+        parents = self.parent_list()
+        path = []
+        while node >= 0:
+            path.append(self.tokens[node])
+            node = parents[node]
+        return path[::-1]
+
     def primary_path(self) -> list[int]:
         return [self.tokens[i] for i in self.primary_nodes()]
 
@@ -224,8 +233,8 @@ class ModelDrafter:
         # target's lacks (see translate.py). q is then renormalised over the rest.
         self.banned: np.ndarray | None = None
         self.noise: Noise | None = None
-        # A chain's grammar (set for the round by the decode loop, see grammar.py): each
-        # token is chosen from the masked row and tried in it, so the next is masked after it.
+        # The round's grammar (set by the decode loop, see grammar.py): each node's
+        # children are chosen from its row masked after its path (see children).
         self.constraint: Constraint | None = None
 
     def begin(
@@ -301,6 +310,7 @@ class ModelDrafter:
         n: int,
         need_confidence: bool,
         position: int = 0,
+        path: Sequence[int] = (),
     ) -> tuple[list[int], list[float], list[Dist | None]]:
         """A node's children from the draft's logits after it, up to n: the token a
         chain would draft first, then alternatives. Each comes with the draft's
@@ -315,16 +325,14 @@ class ModelDrafter:
         drawn token is kept must not depend on which token it is, or the kept drafts
         would no longer follow their q.
 
-        Under a grammar (`constraint`, chains only) the row is masked first, as the
-        target's is, and the chosen token tried in the matcher.
+        Under a grammar (`constraint`) the row is masked first, as the target's is: the
+        mask after `path`, the draft's tokens from its root to this node. Past an end of
+        generation on the path anything goes, as in the verifier's masks.
         """
         constraint = self.constraint
-        if constraint is None or n != 1:
-            return self._children(logits, rng, n, need_confidence, position)
-        logits = constraint.mask(logits, constraint.allowed())
-        ids, probs, dists = self._children(logits, rng, n, need_confidence, position)
-        constraint.push(ids[0])
-        return ids, probs, dists
+        if constraint is not None and constraint.follow(path):
+            logits = constraint.mask(logits, constraint.allowed())
+        return self._children(logits, rng, n, need_confidence, position)
 
     def _children(
         self,
@@ -443,8 +451,10 @@ class _Growth:
         parent_score = self.scores[node] if node >= 0 else 1.0
         # A tree's ranks need every node's probability.
         need_confidence = self.keep_drafting is not None or not shape.is_chain
+        # Under a grammar, the children's mask is the one after the node's path.
+        path = self.draft.path(node) if self.drafter.constraint else ()
         ids, probs, dists = self.drafter.children(
-            logits, self.rng, shape.branch, need_confidence, self.base + depth
+            logits, self.rng, shape.branch, need_confidence, self.base + depth, path
         )
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
             return []
@@ -452,7 +462,8 @@ class _Growth:
         for i, (token, prob, dist) in enumerate(zip(ids, probs, dists, strict=True)):
             score = parent_score * (shape.odds(i, prob) if shape.odds else prob)
             primary = on_primary and i == 0
-            if not primary and score < shape.min_score:
+            # (0: a token a grammar forbids, where it allows fewer than the branches)
+            if not primary and (score < shape.min_score or not prob):
                 continue
             added.append(len(draft.tokens))
             draft.tokens.append(token)

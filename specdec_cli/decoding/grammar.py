@@ -13,10 +13,10 @@ rule; a sampled draft is never cut, which would bias the text.
 
 The matcher advances only on emitted tokens. The masks of the draft's positions are
 found by trying the draft's tokens and rolling back (`Constraint.push`, `undo`): while
-drafting, and again along the path the verifier walks. Tokens the grammar forces (a
-key's letters) are drafted as they are, at probability 1, with no draft call; a lookup's
-guesses are cut at the first token the grammar forbids (a deterministic guess may be).
-A round under a grammar drafts a chain: a tree's branches would each need a matcher.
+drafting (a tree's node by node, `follow`ing each one's path from the last's), and again
+along the path the verifier walks. Tokens the grammar forces (a key's letters) are
+drafted as they are, at probability 1, with no draft call; a lookup's guesses are cut at
+the first token the grammar forbids (a deterministic guess may be).
 
 libllama's own GBNF sampler is not used: it checks every candidate (11-79 ms a position
 on real vocabularies), aborts the process when a token it rejects is accepted, and has
@@ -41,7 +41,7 @@ import json
 import re
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -52,7 +52,7 @@ import numpy as np
 from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.llama import Model, common_prefix
 
 # The most forced tokens drafted in one round (see forced): a key or a fixed value.
 FORCED_MAX = 32
@@ -512,7 +512,8 @@ def _tokenizer(model: Model) -> llguidance.LLTokenizer:
 
 class Constraint:
     """One generation's matcher. `advance` takes the emitted tokens; `push` tries a
-    token beyond them (a draft's) and `undo` takes every such try back."""
+    token beyond them (a draft's), `follow` moves to a path of such tries (a tree's
+    node), and `undo` takes every try back."""
 
     def __init__(self, model: Model, grammar: Grammar) -> None:
         self.model = model
@@ -523,7 +524,7 @@ class Constraint:
         self.n_emitted = 0  # tokens advanced over, for messages
         self.n_vocab = model.n_vocab
         self._words = np.zeros((self.n_vocab + 31) // 32, np.int32)
-        self._tried = 0  # tokens pushed beyond the emitted ones
+        self._tried: list[int] = []  # tokens pushed beyond the emitted ones
         self._scratch = np.empty(self.n_vocab, np.float32)
 
     def allowed(self) -> np.ndarray:
@@ -543,14 +544,24 @@ class Constraint:
             return False
         if not self.matcher.consume_token(token):  # allowed, so a limit met
             raise self._failure()
-        self._tried += 1
+        self._tried.append(token)
         return True
+
+    def follow(self, path: Sequence[int]) -> bool:
+        """Stand after the emitted tokens and `path` (tries beyond them), taking back and
+        pushing only where the tries so far differ: a tree's nodes come in an order where
+        their paths share most of the way. False where the grammar forbids a token of the
+        path, or it ends the generation: the matcher then stands before that token."""
+        tried = self._tried
+        n = common_prefix(tried, path)
+        if n < len(tried):
+            self.matcher.rollback(len(tried) - n)
+            del tried[n:]
+        return all(self.push(token) for token in path[n:])
 
     def undo(self) -> None:
         """Take back every token pushed since the last advance."""
-        if self._tried:
-            self.matcher.rollback(self._tried)
-            self._tried = 0
+        self.follow(())
 
     def advance(self, tokens: list[int]) -> None:
         """The round's emitted tokens (no end-of-generation token among them)."""
@@ -574,7 +585,7 @@ class Constraint:
         # llguidance's words for a token its mask forbade: "... doesn't satisfy the grammar"
         if reason.startswith("Parser Error: token"):
             return RuntimeError(f"grammar: an emitted token was forbidden: {reason}")
-        n = self.n_emitted + self._tried
+        n = self.n_emitted + len(self._tried)
         where = f"after {n} token{'s' * (n != 1)} of output" if n else "at the start of the output"
         if reason == "NoExtensionBias":  # no token may come next, not even the end
             return UserError(f"the {self.what} allows no text {where}: {self._hint('root')}")

@@ -94,7 +94,7 @@ class HeadDrafter(ModelDrafter):
         """Choose the token at `position` from the head's logits for it and add it to the
         draft, unless the length policy stops here (False)."""
         need_confidence = keep_drafting is not None
-        ids, probs, dists = self.children(logits, rng, 1, need_confidence, position)
+        ids, probs, dists = self.children(logits, rng, 1, need_confidence, position, draft.tokens)
         if keep_drafting and not keep_drafting(len(draft.tokens), probs[0]):
             return False
         draft.tokens.append(ids[0])
