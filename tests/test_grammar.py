@@ -181,6 +181,57 @@ def test_forced_tokens_are_drafted_without_draft_calls(
     assert stats.target_passes * 4 < alone.target_passes
 
 
+def logit_rows_of(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Each target verification from now on: its draft's rows (the tokens and one), and
+    how many of them the batch gave logits."""
+    calls: list[tuple[int, int]] = []
+    stage_round = decode.Generation.stage_round
+
+    def counted(self: decode.Generation, plan: decode.Plan, draft: Draft) -> None:
+        stage_round(self, plan, draft)
+        rows = len(self.draft.tokens) + 1
+        calls.append((rows, rows - self._certain))
+
+    monkeypatch.setattr(decode.Generation, "stage_round", counted)
+    return calls
+
+
+def test_certain_rows_are_verified_without_logits(
+    target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the grammar allows one token alone, the target's row there is certain: the
+    batch asks no logits of it (no output layer), and the text is the same."""
+    grammar = Grammar.json_schema(FORCED_SCHEMA)
+    with open_engine(target_model) as engine:
+        reference, _ = run(engine, engine.decoder, grammar)
+    calls = logit_rows_of(monkeypatch)
+    with open_engine(target_model, draft_model, 3, tree="off") as engine:
+        out, stats = run(engine, engine.make_decoder("model", "3"), grammar)
+    assert out == reference
+    skipped = sum(rows - with_logits for rows, with_logits in calls)
+    assert skipped >= 40  # most of both keys' letters
+    assert stats.accepted_by["grammar"] == stats.proposed_by["grammar"] >= skipped
+
+
+def test_certain_rows_keep_their_logits_for_log_probabilities(
+    target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Log-probabilities read every row: a generation that reports them asks logits of
+    all, forced rounds too."""
+    calls = logit_rows_of(monkeypatch)
+    grammar = Grammar.json_schema(FORCED_SCHEMA)
+    with open_engine(target_model, draft_model, 3, tree="off") as engine:
+        decoder, stats = engine.make_decoder("model", "3"), Stats()
+        rng = np.random.default_rng(0)
+        prompt = engine.tokenize(PROMPT)
+        rounds = list(
+            decoder.generate(prompt, 48, rng, stats, logprobs=LogprobOptions(), grammar=grammar)
+        )
+    assert stats.proposed_by["grammar"] >= 20
+    assert all(r.logprobs is not None and len(r.logprobs) == len(r.tokens) for r in rounds)
+    assert all(rows == with_logits for rows, with_logits in calls)
+
+
 SAMPLING = SamplingParams(temp=1.0, top_k=20, top_p=0.95, min_p=0.0)
 N_RUNS = 1500
 N_FIRST = 3
@@ -228,6 +279,34 @@ def test_sampled_speculative_matches_constrained_target(
     assert not any("r" in row for row in written)
     assert contingency(constrained_baseline[:, 0], speculative[:, 0]).shape[1] > 3
     assert min(alike(constrained_baseline, speculative)) > 1e-3
+
+
+# Forced text first (certain rows, verified without logits), then free words.
+FORCED_START = 'root ::= "the dog ran to the cat and" [a-qs-z ]+'
+
+
+def test_sampled_tokens_after_certain_rows_match_constrained_target(
+    target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokens after a forced run verified without logits are drawn from the target's
+    row after it (the batch's rows are counted from those with logits)."""
+    grammar = Grammar.gbnf(FORCED_START)
+    with open_engine(target_model, sampling=SAMPLING) as engine:
+        out, _ = run(engine, engine.decoder, grammar, PROMPT, 24)
+        spelt = [text(engine, out[:i]) for i in range(len(out))]
+        n_forced = spelt.index("the dog ran to the cat and")  # the forced text's tokens
+        n = n_forced + N_FIRST
+        rows = [run(engine, engine.decoder, grammar, PROMPT, n, seed)[0] for seed in range(N_RUNS)]
+    alone = np.array(rows)[:, n_forced - 1 :]
+    calls = logit_rows_of(monkeypatch)
+    with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
+        decoder = engine.make_decoder("model", "3")
+        seeds = range(N_RUNS, 2 * N_RUNS)
+        rows = [run(engine, decoder, grammar, PROMPT, n, seed)[0] for seed in seeds]
+    speculative = np.array(rows)[:, n_forced - 1 :]
+    assert sum(r - w for r, w in calls) >= N_RUNS * (n_forced - 2)
+    assert len(set(speculative[:, 1])) > 3
+    assert min(alike(alone[:, 1:], speculative[:, 1:])) > 1e-3
 
 
 def test_sampled_slots_under_a_grammar_match_constrained_target(

@@ -167,16 +167,24 @@ class Decoder:
         noise: Noise | None = None,
         position: int = 0,
         constraint: Constraint | None = None,
+        certain: int = 0,
     ) -> tuple[list[int], int]:
         """The accepted path (draft indices) and the next token. Row 0 of the target's
         logits follows the context, row j + 1 draft token j. `chances`: see
         verify_tree_sampled (sampling only). `noise`: coupled sampling's, and `position`
         the place in the text of the token row 0 chooses. `constraint`: the grammar's
-        matcher, whose mask each row's distribution is taken under (see grammar.py)."""
-        logits = self.target.logits
+        matcher, whose mask each row's distribution is taken under (see grammar.py).
+        `certain`: the first rows of a chain the grammar allows one token at, the draft's
+        (Constraint.certain), which the target's batch gave no logits."""
+
+        def logits(row: int) -> np.ndarray:
+            return self.target.logits(row - certain)
+
         parents = draft.parent_list()
         if constraint is None:
-            return self._verify(draft, parents, logits, rng, sampling, chances, noise, position)
+            return self._verify(
+                draft, parents, logits, rng, sampling, chances, noise, position, None, certain
+            )
         masks = PathMasks(constraint, draft.tokens, parents)
 
         def masked(row: int) -> np.ndarray:
@@ -189,7 +197,7 @@ class Decoder:
 
         try:
             return self._verify(
-                draft, parents, masked, rng, sampling, chances, noise, position, argmax
+                draft, parents, masked, rng, sampling, chances, noise, position, argmax, certain
             )
         finally:
             masks.close()
@@ -204,27 +212,29 @@ class Decoder:
         chances: list[float] | None,
         noise: Noise | None,
         position: int,
-        argmax: Callable[[int], int] | None = None,
+        argmax: Callable[[int], int] | None,
+        certain: int,
     ) -> tuple[list[int], int]:
-        """verify, with each row's logits (and its argmax) read through `logits`."""
+        """verify, with each row's logits (and its argmax) read through `logits`, but for
+        the `certain` rows: the draft's token has all the mass there."""
+        tokens = draft.tokens
+
+        def dist(row: int) -> Dist:
+            return Dist.point(tokens[row]) if row < certain else distribution(logits(row), sampling)
+
         if sampling.greedy:
-            choose = argmax or (lambda i: int(np.argmax(logits(i))))
-            return verify_tree_greedy(draft.tokens, parents, choose)
+            top = argmax or (lambda i: int(np.argmax(logits(i))))
+            return verify_tree_greedy(
+                tokens, parents, lambda i: tokens[i] if i < certain else top(i)
+            )
         if noise is not None:  # the target's draw at each row is fixed: a match, as greedy
             depths = [0, *(d + 1 for d in draft.depths())]
 
             def draw(row: int) -> int:
-                return noise.choose(distribution(logits(row), sampling), position + depths[row])
+                return noise.choose(dist(row), position + depths[row])
 
-            return verify_tree_greedy(draft.tokens, parents, draw)
-        return verify_tree_sampled(
-            draft.tokens,
-            parents,
-            draft.dists,
-            lambda i: distribution(logits(i), sampling),
-            rng,
-            chances,
-        )
+            return verify_tree_greedy(tokens, parents, draw)
+        return verify_tree_sampled(tokens, parents, draft.dists, dist, rng, chances)
 
 
 @dataclass
@@ -441,6 +451,7 @@ class Generation:
         stats.prompt_reused = target.reuse(prompt[:-1])
         self._started = False
         self._plan: Plan | None = None
+        self._certain = 0  # the round's rows without logits (see _certain_rows)
         # Whether fit_to_batch may shorten its drafts (see Plan.fits).
         self._fits = sampling.draft_invariant and decoder.lengths_adapt
 
@@ -586,8 +597,19 @@ class Generation:
         # logits follows the last unseen token, row j + 1 draft token j.
         batch = [*plan.unseen, *draft.tokens]
         parents = _batch_parents(len(plan.unseen), draft.parents)
-        target.stage(batch, len(draft.tokens) + 1, parents)
+        self._certain = self._certain_rows(draft)
+        target.stage(batch, len(draft.tokens) + 1 - self._certain, parents)
         self.draft, self._plan = draft, plan
+
+    def _certain_rows(self, draft: Draft) -> int:
+        """How many of the draft's first rows need no logits: of a forced draft, those
+        where the grammar allows the draft's token alone (Constraint.certain). A row
+        without logits skips the output layer, most of a small model's cost a row on a
+        large vocabulary. None where log-probabilities are reported: they read every
+        row."""
+        if draft.source != FORCED or self.constraint is None or self.logprobs is not None:
+            return 0
+        return self.constraint.certain(draft.tokens)
 
     def conclude(self, timed: bool) -> None:
         """After the decode call: keep what the target agrees with, and learn from it.
@@ -600,7 +622,14 @@ class Generation:
         chances: list[float] | None = [] if sampled_chain else None
         position = len(self.tokens)
         path, next_token = decoder.verify(
-            draft, self.rng, self.sampling, chances, self.noise, position, self.constraint
+            draft,
+            self.rng,
+            self.sampling,
+            chances,
+            self.noise,
+            position,
+            self.constraint,
+            self._certain,
         )
         logprobs = None if self.logprobs is None else self._logprobs(draft, path, next_token)
         n_accepted = len(path)

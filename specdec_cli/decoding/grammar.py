@@ -530,11 +530,32 @@ class Constraint:
     def allowed(self) -> np.ndarray:
         """The tokens the grammar allows next, as booleans (end-of-generation tokens
         where the grammar may end)."""
+        words = self._mask_words()
+        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=self.n_vocab)
+        return bits.view(np.bool_)
+
+    def _mask_words(self) -> np.ndarray:
+        """The mask of what may come next, 32 tokens a word (token t: bit t % 32 of word
+        t // 32)."""
         words = self._words
         self.matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         self._fail_if_stuck()  # (a failed matcher's mask allows only the end)
-        bits = np.unpackbits(words.view(np.uint8), bitorder="little", count=self.n_vocab)
-        return bits.view(np.bool_)
+        return words
+
+    def certain(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` (next after the emitted ones) the grammar allows alone, one
+        after another: at each, the mask allows that token and nothing else, not even the
+        end. The target's masked distribution there is certain, whatever its logits say.
+        (A forced token need not be: a shorter token may spell its start.)"""
+        n = 0
+        for token in tokens:
+            words = self._mask_words().view(np.uint32)
+            word, bit = divmod(token, 32)
+            if words[word] != 1 << bit or np.count_nonzero(words) != 1 or not self.push(token):
+                break
+            n += 1
+        self.undo()
+        return n
 
     def push(self, token: int) -> bool:
         """Try `token` after the emitted tokens and those pushed since; False (and
@@ -644,12 +665,17 @@ class PathMasks:
         self._off = False  # past an end of generation: nothing more is emitted
 
     def allowed(self, row: int) -> np.ndarray | None:
-        """The mask of `row`; None where anything goes (past an end of generation)."""
+        """The mask of `row`; None where anything goes (past an end of generation). Rows
+        on the way need not have been asked for (certain rows, which have no logits)."""
         if row != self._row:
-            node = row - 1
-            assert self.parents[node] == self._row - 1, "rows are read down one path"
-            if not self._off and not self.constraint.push(self.tokens[node]):
-                self._off = True
+            below, node = [], row - 1
+            while node != self._row - 1:
+                assert node > self._row - 1, "rows are read down one path"
+                below.append(node)
+                node = self.parents[node]
+            for node in reversed(below):
+                if not self._off and not self.constraint.push(self.tokens[node]):
+                    self._off = True
             self._row = row
         return None if self._off else self.constraint.allowed()
 

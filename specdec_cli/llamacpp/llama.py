@@ -372,9 +372,9 @@ class Context:
         return self._shared.ptr
 
     def spend(self) -> tuple[int, int, float, int]:
-        """The llama.cpp context's decode calls of at most SMALL_CALL tokens, with every
-        slot's (how many, their tokens and their seconds), and the deepest position it
-        decoded."""
+        """The llama.cpp context's decode calls of at most SMALL_CALL tokens, each with
+        logits for every row, with every slot's (how many, their tokens and their
+        seconds), and the deepest position it decoded."""
         shared = self._shared
         return shared.small_calls, shared.small_tokens, shared.small_seconds, shared.deepest
 
@@ -721,9 +721,10 @@ class _Shared:
         self.n_staged = 0
         self.staged: list[Context] = []
         self.last_size = 0  # tokens in the last decode call
-        # What the decode calls of a verification's or a draft step's size (not a
-        # prompt's) spent, and the deepest position decoded: what -fa auto checks its
-        # choice against (decoding/flashattn.py).
+        # What the decode calls of a verification's or a draft step's size spent (not a
+        # prompt's, nor any call with rows that gave no logits, which skip the output
+        # layer: the measurements' calls have none), and the deepest position decoded:
+        # what -fa auto checks its choice against (decoding/flashattn.py).
         self.small_calls = 0
         self.small_tokens = 0
         self.small_seconds = 0.0
@@ -753,7 +754,7 @@ class _Shared:
             raise RuntimeError(f"{name}: llama_decode failed with status {status}")
         for ctx in staged:
             ctx._decoded(seconds, len(staged) > 1)
-        if n <= SMALL_CALL:
+        if n <= SMALL_CALL and self.batch.logits[:n].all():
             self.small_calls += 1
             self.small_tokens += n
             self.small_seconds += seconds
