@@ -948,7 +948,13 @@ def _cycle_target(
 
 
 def write_eagle3_known_answer(
-    folder: Path, vocab: Vocab, seed: int, good_fraction: float = 0.75
+    folder: Path,
+    vocab: Vocab,
+    seed: int,
+    good_fraction: float = 0.75,
+    temper: float = 0.0,
+    block_scale: float = 0.0,
+    second: float = 0.0,
 ) -> tuple[Path, Path, Eagle3KnownAnswer]:
     """A llama target and an EAGLE-3 head for it whose answers follow from tables:
 
@@ -960,23 +966,33 @@ def write_eagle3_known_answer(
       Its next step reads its own state, the same x_p, and drafts the same token again:
       a round's first draft is right where x_p is good, its later ones never. Without
       the target's states it drafts token 0. Its embeddings are the target's (ctx_other).
+
+    `temper` > 0 softens both outputs for sampling (see _answers). `block_scale` > 0 lets
+    the head's block add that much of a random layer's output to its state: its states,
+    and so its logits, then differ with every token it reads, its drafts hardly.
+    `second` > 0: where its answer is wrong, its second choice is right, at that share
+    of the first's logit (a tree's alternative then finds what its chain misses).
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
     n_embd = -(-n_vocab // 64) * 64
     hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
-    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction)
-    succ, answer, ids = ka.succ, ka.answer, np.arange(n_vocab)
+    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
+    answer = ka.answer
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
     fc = np.zeros((n_embd, 3 * n_embd), np.float32)
     fc[:, :n_embd] = np.eye(n_embd, dtype=np.float32)  # layer 0's input passed on
-    block = llama_block(rng, 0, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, out_scale=0.0)
+    block = llama_block(rng, 0, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, out_scale=block_scale)
     block = {name: w for name, w in block.items() if "attn_" in name or "ffn_" in name}
     block["blk.0.attn_norm_2.weight"] = np.ones(n_embd, dtype=np.float32)
     for name in ("attn_q", "attn_k", "attn_v"):  # they read [embedding, state]
         w = block[f"blk.0.{name}.weight"]
         block[f"blk.0.{name}.weight"] = np.concatenate([w, w], axis=1)
     output = np.zeros((n_vocab, n_embd), np.float32)
-    output[answer, ids] = 1.0
+    output[:, :n_vocab] = _answers(rng, answer, normal, temper, n_embd)
+    if second:
+        bad = np.flatnonzero(answer != ka.succ[ka.succ])
+        output[ka.succ[ka.succ[bad]], bad] = second * output[answer[bad], bad]
     head = {
         "fc.weight": fc,
         "output_norm.weight": np.ones(n_embd, dtype=np.float32),
@@ -989,7 +1005,7 @@ def write_eagle3_known_answer(
     keys["target_hidden_size"] = _u32(n_embd)
     metadata = with_architecture(llama_metadata(hp, vocab), "eagle3", keys)
     head_path = write_gguf(folder / "eagle3.gguf", metadata, head)
-    return target_path, head_path, Eagle3KnownAnswer(succ, answer)
+    return target_path, head_path, ka
 
 
 def write_mtp_sidecar(path: Path, model: Path) -> Path:

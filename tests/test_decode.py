@@ -494,15 +494,19 @@ N_FIRST = 3
 REPEATING_PROMPT = "the cat ran to the dog and the cat ran to the"
 
 
-def first_tokens(engine: Engine, seeds: range, decoder: Decoder | None = None) -> np.ndarray:
+def first_tokens(
+    engine: Engine, seeds: range, decoder: Decoder | None = None, n_predict: int = N_FIRST
+) -> np.ndarray:
+    """The first N_FIRST tokens of a generation of `n_predict` for each seed (longer
+    generations draft wider: a tree needs room for more tokens than its depth)."""
     prompt = engine.tokenize(REPEATING_PROMPT)
     rows = []
     for seed in seeds:
         out: list[int] = []
         rng = np.random.default_rng(seed)
-        for new in (decoder or engine.decoder).generate(prompt, N_FIRST, rng, Stats()):
+        for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, Stats()):
             out += new.tokens
-        rows.append(out)
+        rows.append(out[:N_FIRST])
     return np.array(rows)
 
 

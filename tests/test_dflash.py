@@ -193,8 +193,8 @@ class _GreedyButSaysSampled(BlockDrafter):
     token, not one drawn from it (as if the rows' argmax, which llama.cpp drafts, could
     stand for a sample)."""
 
-    def children(self, logits, rng, n, need_confidence, position=0):
-        _, probs, dists = super().children(logits, rng, n, need_confidence, position)
+    def children(self, logits, rng, n, need_confidence, position=0, *rest):
+        _, probs, dists = super().children(logits, rng, n, need_confidence, position, *rest)
         return [int(dists[0].ids[np.argmax(dists[0].probs)])], probs, dists
 
 

@@ -275,14 +275,39 @@ class ModelDrafter:
         calls = yield from self._catch_up(tokens)
         if k > 1:
             self.ctx.checkpoint()  # the drafts it evaluates may be rejected
-        growth = _Growth(self, len(tokens), shape or TreeShape(k), rng, keep_drafting)
-        draft = yield from growth.grow(k)
+        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape)
         draft.calls += calls
         # The draft tokens evaluated in sequence 0 (all of the chain but its last
         # token, usually) stay cached: next round keeps those the target accepted.
         self._n_cached, self._unchecked = len(tokens), self.ctx.tokens[len(tokens) :]
         self.ctx.drop_branches()
         return draft
+
+    def _grow(
+        self,
+        base: int,
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None,
+        shape: TreeShape | None,
+        start: int | None = None,
+    ) -> DraftSteps:
+        """Up to k tokens deep after a text of `base` tokens, from the logits of the
+        context's last call (see _Growth for `start`)."""
+        growth = _Growth(self, base, shape or TreeShape(k), rng, keep_drafting, start)
+        return (yield from growth.grow(k))
+
+    def stage_nodes(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        parent_rows: Sequence[int],
+    ) -> None:
+        """Stage one depth of a draft tree (see Context.stage_branches). `parent_rows`:
+        the rows of the last call whose logits gave each token, where a drafting head
+        reads its state (see HeadDrafter); a draft model reads the tokens alone."""
+        self.ctx.stage_branches(tokens, positions, seqs)
 
     def _catch_up(self, tokens: list[int]) -> Generator[None, None, int]:
         """Stage what the cache lacks of `tokens`, a call at a time: returns the calls."""
@@ -400,7 +425,9 @@ class ModelDrafter:
 
 
 class _Growth:
-    """One round's draft tree, grown depth by depth by a draft model.
+    """One round's draft tree, grown depth by depth by a draft model (or a drafting
+    head, which reads beside each node its own state at the parent's row: see
+    ModelDrafter.stage_nodes).
 
     The first child of each node is the token a chain would have drafted there; the
     path of first children from the root (the primary path) is what a chain is, and it
@@ -419,14 +446,22 @@ class _Growth:
         shape: TreeShape,
         rng: np.random.Generator,
         keep_drafting: KeepDrafting | None,
+        start: int | None = None,
     ) -> None:
+        """`base`: the text's length, where the draft starts; `start`: the position in
+        the context's memory of the first draft token (None: base; a head's memory may
+        lie a position behind the text, see HeadContext.shift)."""
         self.drafter, self.ctx = drafter, drafter.ctx
         self.base, self.shape, self.rng = base, shape, rng
+        self.start = base if start is None else start
         self.keep_drafting = keep_drafting
         self.draft = Draft(source=drafter.name, parents=[])
         self.scores: list[float] = []
         self.primary: list[bool] = []
         self.seq_of = {-1: 0}  # the sequence of each evaluated node; -1: the root
+        # The row of each node in the call that evaluated it, the root's in the call
+        # before the tree (-1: its last): where its children's logits are.
+        self.row_of = {-1: -1}
         self.n_seqs = 1
 
     def grow(self, k: int) -> DraftSteps:
@@ -489,20 +524,23 @@ class _Growth:
     def _stage(self, frontier: list[int], depth: int) -> list[int]:
         """The frontier's nodes (all at `depth`) staged for one decode call, each in its
         own branch; returns the nodes staged (not those the context had no branch for)."""
-        pos = self.base + depth - 1
-        nodes, seqs, extended = [], [], set()
+        pos = self.start + depth - 1
+        nodes, seqs, parent_rows, extended = [], [], [], set()
         for node in frontier:
-            seq = self.seq_of[self.draft.parents[node]]  # type: ignore[index]
+            parent = self.draft.parents[node]  # type: ignore[index]
+            seq = self.seq_of[parent]
             if seq in extended:  # a sibling went on in the parent's sequence
                 if self.n_seqs >= self.ctx.n_seq_max:
                     continue
                 self.ctx.fork(seq, self.n_seqs, pos)
                 seq, self.n_seqs = self.n_seqs, self.n_seqs + 1
             extended.add(seq)
-            self.seq_of[node] = seq
+            self.seq_of[node], self.row_of[node] = seq, len(nodes)
             nodes.append(node)
             seqs.append(seq)
-        self.ctx.stage_branches([self.draft.tokens[i] for i in nodes], [pos] * len(nodes), seqs)
+            parent_rows.append(self.row_of[parent])
+        tokens = [self.draft.tokens[i] for i in nodes]
+        self.drafter.stage_nodes(tokens, [pos] * len(nodes), seqs, parent_rows)
         self.draft.calls += 1
         return nodes
 

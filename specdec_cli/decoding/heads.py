@@ -1,10 +1,12 @@
 """A drafting head (MTP, EAGLE-3, DFlash): one more drafter behind the Drafter interface.
 
-It drafts as a draft model does, one token a call, and chooses each token as a draft
-model does (greedy, coupled or sampled, with its own distribution as q: see
+An MTP or EAGLE-3 head drafts as a draft model does, a depth a call, a chain or a tree
+grown by the same code (drafters._Growth), and chooses each token as a draft model
+does (greedy, coupled or sampled, with its own distribution as q: see
 ModelDrafter.children), so the verifier's exact rules hold unchanged. What differs is
 what it reads: beside each token, a hidden state (see llamacpp/heads.py). Positions the
-target decoded read the target's; its own drafts read the head's.
+target decoded read the target's; its own drafts read the head's, each tree node the
+one its parent's row gave (the row whose logits it was chosen from).
 
 Its memory therefore holds a prefix of the accepted tokens fed with the target's states
 (positions below the round's last accepted token), and never its own drafts' rows: those
@@ -15,6 +17,8 @@ first, then drafts).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -27,7 +31,8 @@ HEAD_KINDS = ("mtp", "eagle3", "dflash")  # HeadContext.kind: the drafters' name
 
 
 class HeadDrafter(ModelDrafter):
-    """A drafting head (the target's MTP block, or an EAGLE-3 file), drafting chains."""
+    """A drafting head (the target's MTP block, or an EAGLE-3 file), drafting chains, or
+    trees where the target can verify them."""
 
     name = "mtp"  # or, per instance, "eagle3"
 
@@ -56,7 +61,7 @@ class HeadDrafter(ModelDrafter):
         shape: TreeShape | None = None,
         source: str | None = None,
     ) -> DraftSteps:
-        """Up to k tokens, a chain (a head's `shape` is always one)."""
+        """Up to k tokens deep; a chain, or the tree `shape` allows."""
         head, last = self.head, len(tokens) - 1
         # What the head reads, by its positions: the text, or for EAGLE-3 the text from
         # its second token (its row at p holds the token at p + 1).
@@ -71,17 +76,36 @@ class HeadDrafter(ModelDrafter):
         head.fed = len(read)
         self.states.forget_before(last)
         yield
-        draft = Draft(source=self.name, calls=1)
-        for depth in range(k):
-            # The target's vocabulary (EAGLE-3's mapped by d2t).
-            if not self._take(draft, head.logits(), rng, last + 1 + depth, keep_drafting):
-                break
-            if depth + 1 == k:
-                break
-            head.stage([draft.tokens[-1]], hidden=head.hidden())
-            draft.calls += 1
-            yield
+        # Its logits are in the target's vocabulary (EAGLE-3's mapped by d2t).
+        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape, len(read))
+        draft.calls += 1  # the catch-up call, which drafted the first depth
+        head.drop_branches()
         return draft
+
+    def stage_nodes(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        parent_rows: Sequence[int],
+    ) -> None:
+        """Each node beside the head's own state at the row its logits came from."""
+        self.head.stage_branches(tokens, positions, seqs, self.head.hidden_rows(parent_rows))
+
+
+class BlockDrafter(HeadDrafter):
+    """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
+
+    Its memory holds, at each position the target has decoded, what it made of the
+    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
+    as its logits are read. Each row's token is chosen from that row's logits alone, as
+    a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
+    choices, so a sampled token is drawn from the q that the verifier is told, given the
+    tokens before it, and rejection sampling stays exact. Its rows are independent, all
+    in one call: it drafts chains.
+    """
+
+    name = "dflash"
 
     def _take(
         self,
@@ -103,20 +127,6 @@ class HeadDrafter(ModelDrafter):
         if need_confidence:
             draft.confidences.append(probs[0])
         return True
-
-
-class BlockDrafter(HeadDrafter):
-    """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
-
-    Its memory holds, at each position the target has decoded, what it made of the
-    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
-    as its logits are read. Each row's token is chosen from that row's logits alone, as
-    a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
-    choices, so a sampled token is drawn from the q that the verifier is told, given the
-    tokens before it, and rejection sampling stays exact.
-    """
-
-    name = "dflash"
 
     def drafting(
         self,

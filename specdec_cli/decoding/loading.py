@@ -161,7 +161,7 @@ class LoadedModels:
         )
         loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
         draft_model, head_model = (None, loaded) if head_kind else (loaded, None)
-        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, uses_head or head_kind is not None)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, head_kind)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -178,7 +178,8 @@ class LoadedModels:
         # every slot, as the draft model's.
         self.head: HeadContext | None = None
         if uses_head or head_model:
-            head = HeadContext(self.target, parallel, head_model, head_kind or "mtp")
+            head_seqs = draft_seqs if self.tree_nodes else 1
+            head = HeadContext(self.target, parallel, head_model, head_kind or "mtp", head_seqs)
             self.head = self._own(head)
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
@@ -243,16 +244,18 @@ class LoadedModels:
         o = self.options
         return ContextParams(n_ctx, threads, flash_attn, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max)
 
-    def _tree_nodes(self, draft_model: Model | None, n_ctx: int, head: bool) -> int:
+    def _tree_nodes(self, draft_model: Model | None, n_ctx: int, head_file: str | None) -> int:
         """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
         decode call, and a context holds at most a batch's worth of sequences (one per
         leaf, and the accepted one). A recurrent model keeps one state per sequence, not
-        per branch: it drafts and verifies chains. So does a head, so far."""
+        per branch: it drafts and verifies chains. A drafting head grows trees as a draft
+        model does, but for a DFlash file (`head_file`: the kind of head a -d file is),
+        whose one call drafts a block: a chain."""
         tree = self.options.drafting.tree
         nodes = parse_tree(tree) or 0
-        if nodes and head:
+        if nodes and head_file == "dflash":
             if tree != "auto":
-                raise UserError(f"--tree {tree}: a drafting head drafts chains; use --tree off")
+                raise UserError(f"--tree {tree}: a DFlash drafter drafts chains; use --tree off")
             return 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
         if nodes and recurrent:

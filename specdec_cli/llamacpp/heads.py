@@ -4,6 +4,9 @@ An MTP head is a decoder block that reads two things at position p: the token th
 and the target's hidden state after position p - 1 (what the target's own output layer
 reads to predict that token). From them it predicts the token after p, and gives a
 hidden state of its own, which it reads at p + 1 to draft one more token, and so on.
+A draft tree grows the same way, a depth a call: each node in a branch of its own (a
+sequence forked from its parent's), beside the head's state at its parent's row
+(`stage_branches`).
 
 So the target's context records its hidden state after every position it decodes
 (`HiddenStates`, fed by the target Context's `on_decoded` hook), and the head's context
@@ -162,7 +165,7 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
     # Unmasked, llama.cpp keeps a row for every place of a batch.
     whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(ptr) * n_embd)
 
-    def decoded(pos: int, rows: slice) -> None:
+    def decoded(pos: int, rows: slice | list[int]) -> None:
         states.record(
             pos, [_floats(whole_batch, read()).reshape(-1, n_embd)[rows] for read in sources]
         )
@@ -174,7 +177,9 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
 class HeadContext:
     """A drafting head's context for one sequence (a slot), over a llama.cpp context that
     may serve several slots. Like a draft model's Context, it holds a prefix of what it
-    reads (`tokens`), and `stage` + `flush` decode rows.
+    reads (`tokens`), `stage` + `flush` decode rows, and for one round at a time its
+    draft tree's branches follow its own sequence (`fork`, `stage_branches`,
+    `drop_branches`).
 
     Three kinds: "mtp", the target's own MTP block (a context of type MTP over the
     target's weights), reading at position p the token at p beside the target's state
@@ -185,11 +190,17 @@ class HeadContext:
     each position (`inject`), drafting a block a call (`stage_block`)."""
 
     def __init__(
-        self, target: Context, n_slots: int, model: Model | None = None, kind: str = "mtp"
+        self,
+        target: Context,
+        n_slots: int,
+        model: Model | None = None,
+        kind: str = "mtp",
+        seqs_per_slot: int = 1,
     ) -> None:
         """Over `target` (the whole target context, before it is split into slots), with
         its size, threads and flash attention; `model`: an EAGLE-3 file, or an MTP
-        sidecar (a file of the MTP block alone), None for the target's own MTP head."""
+        sidecar (a file of the MTP block alone), None for the target's own MTP head.
+        `seqs_per_slot`: a slot's own sequence and its draft tree's branches."""
         self.kind = kind
         self.shift = 1 if kind == "eagle3" else 0
         # EAGLE-3's graph computes logits for every row (no selection of the rows asked
@@ -201,8 +212,9 @@ class HeadContext:
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
         cparams.n_batch = target.n_batch
         cparams.n_ubatch = min(target.n_batch, llama_cpp.llama_n_ubatch(target.ptr))
-        cparams.n_seq_max = n_slots
-        cparams.kv_unified = n_slots > 1
+        # llama.cpp keeps an output row per sequence, and no more rows than a batch has.
+        cparams.n_seq_max = min(n_slots * seqs_per_slot, target.n_batch)
+        cparams.kv_unified = cparams.n_seq_max > 1  # branches share the cells of their path
         cparams.n_threads = cparams.n_threads_batch = target.threads
         cparams.flash_attn_type = FLASH_ATTN[target.flash_attn]
         cparams.no_perf = False
@@ -232,10 +244,14 @@ class HeadContext:
         self.n_ctx: int = target.n_ctx
         self.n_batch: int = target.n_batch
         self.threads = target.threads
-        self._start(0)
+        self._start(0, cparams.n_seq_max)
 
-    def _start(self, seq: int) -> None:
+    def _start(self, seq: int, n_seq: int) -> None:
+        """This slot's own state: sequences seq .. seq + n_seq - 1 (its own, then its
+        tree's branches), empty."""
         self.seq = seq
+        self.n_seq_max = n_seq
+        self._branches = 0  # sequences after `seq` that may hold cells
         self.tokens: list[int] = []  # what the sequence holds, by position
         # The first `fed` of them were read beside the target's hidden states; the rest
         # beside the head's own (its drafts), which the next round must not keep.
@@ -243,19 +259,20 @@ class HeadContext:
         self.decode_seconds = 0.0
         self.decode_calls = 0
         self._first = -1  # the batch place of this slot's first staged row, after a flush
-        self._out = -1  # the batch place of this slot's row with logits, after a flush
+        self._out = -1  # the batch place of this slot's last staged row, after a flush
 
     def split(self, n: int) -> list[HeadContext]:
         """n slots over this context (see Context.split)."""
         if n == 1:
             return [self]
+        width = self.n_seq_max // n
         slots = []
         for i in range(n):
             slot = object.__new__(HeadContext)
             slot.__dict__.update(self.__dict__)
             slot._owner = False
             slot.n_ctx, slot.n_batch = self.n_ctx // n, self.n_batch // n
-            slot._start(i)
+            slot._start(i * width, width)
             slots.append(slot)
         return slots
 
@@ -278,8 +295,8 @@ class HeadContext:
         `hidden` (the hidden state before it; None: zeros, as costmodel's timing passes
         use); the last one gives logits and a hidden state. `n_logits` and `parents`
         are Context.stage's, for the cost measurements: only the last row has logits,
-        and a head drafts chains."""
-        assert parents is None, "a head drafts chains"
+        and a tree goes in depth by depth (stage_branches)."""
+        assert parents is None, "a head stages a tree a depth a call: see stage_branches"
         pos = len(self.tokens)
         if self.kind == "dflash":
             hidden = None  # its token rows read no state (an embedding row is a feature)
@@ -287,8 +304,39 @@ class HeadContext:
             hidden = np.zeros((len(tokens), self.n_embd), np.float32)
         else:
             hidden = np.ascontiguousarray(hidden, np.float32)
-        self._shared.stage(self, tokens, pos, hidden)
+        self._shared.stage(self, tokens, range(pos, pos + len(tokens)), hidden)
         self.tokens.extend(tokens)
+
+    def stage_branches(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        hidden: np.ndarray,
+    ) -> None:
+        """Stage token i at positions[i] in sequence seqs[i] (counted from this slot's
+        own), beside hidden[i], each row with logits and a hidden state (row i is token
+        i's): how a draft tree grows, a depth a call (see Context.stage_branches). Tokens
+        of sequence 0 extend the sequence; the others are branches (see fork)."""
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        self._shared.stage(self, tokens, positions, hidden, seqs, every_row=True)
+        self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == 0)
+
+    def fork(self, source: int, seq: int, n_tokens: int) -> None:
+        """Make branch `seq` hold the first n_tokens positions of sequence `source`,
+        sharing their cells (see Context.fork)."""
+        if not 0 < seq < self.n_seq_max:
+            raise RuntimeError(f"{self.model.path.name}: no branch {seq} in this slot")
+        memory = llama_cpp.llama_get_memory(self.ptr)
+        llama_cpp.llama_memory_seq_cp(memory, self.seq + source, self.seq + seq, -1, n_tokens)
+        self._branches = max(self._branches, seq)
+
+    def drop_branches(self) -> None:
+        """Forget every branch, keeping the slot's own sequence alone."""
+        memory = llama_cpp.llama_get_memory(self.ptr)
+        for branch in range(self.seq + 1, self.seq + self._branches + 1):
+            llama_cpp.llama_memory_seq_rm(memory, branch, -1, -1)
+        self._branches = 0
 
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """DFlash: put the target's layer inputs at the positions of `tokens` (after the
@@ -300,7 +348,8 @@ class HeadContext:
         """DFlash: the block [last, mask x k] at the positions after the sequence, into
         the next flush; its rows 1 .. k then give the draft's logits (`block_logits`).
         They stay out of `tokens`: drop_block forgets them."""
-        self._shared.stage(self, [last] + [self.mask] * k, len(self.tokens), None)
+        pos = len(self.tokens)
+        self._shared.stage(self, [last] + [self.mask] * k, range(pos, pos + k + 1), None)
 
     def block_logits(self, row: int) -> np.ndarray:
         """The last flush's logits at this slot's block row (a view)."""
@@ -324,9 +373,16 @@ class HeadContext:
             self.stage(tokens[start : start + self.n_batch])
             self.flush()
 
-    def logits(self) -> np.ndarray:
-        """The last flush's logits for this slot's last staged token (a view)."""
-        return _floats(self._shared.logit_row, llama_cpp.llama_get_logits_ith(self.ptr, self._out))
+    def _place(self, row: int) -> int:
+        """The batch place of this slot's staged row `row` in the last flush (-1: the
+        last)."""
+        return self._first + row if row >= 0 else self._out + 1 + row
+
+    def logits(self, row: int = -1) -> np.ndarray:
+        """The last flush's logits at this slot's staged row `row` (-1: the last; a row
+        that asked for them), a view."""
+        ptr = llama_cpp.llama_get_logits_ith(self.ptr, self._place(row))
+        return _floats(self._shared.logit_row, ptr)
 
     def states_for(self, rows: np.ndarray) -> np.ndarray:
         """The head's states for rows of the target's: an MTP head reads them as they are;
@@ -338,14 +394,20 @@ class HeadContext:
         self._shared.embed_rows(self.seq, len(self.tokens), rows, out)
         return out
 
-    def hidden(self) -> np.ndarray:
-        """The head's own hidden state after that token: what it reads for the next (a
-        view of llama.cpp's buffer, valid until the next decode: stage copies it first)."""
-        ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._out)
+    def hidden(self, row: int = -1) -> np.ndarray:
+        """The head's own hidden state after the token at staged row `row` (-1: the
+        last): what it reads beside the token after it (a view of llama.cpp's buffer,
+        valid until the next decode: stage copies it first)."""
+        ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._place(row))
         return _floats(self._shared.state_row, ptr).reshape(1, -1)
+
+    def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
+        """The hidden states at these staged rows of the last flush, a row each (a copy)."""
+        return np.concatenate([self.hidden(row) for row in rows])
 
     def rewind(self, n_keep: int) -> int:
         """Forget every position >= n_keep (a head's memory is attention only)."""
+        self.drop_branches()
         if n_keep < len(self.tokens):
             memory = llama_cpp.llama_get_memory(self.ptr)
             llama_cpp.llama_memory_seq_rm(memory, self.seq, n_keep, -1)
@@ -358,9 +420,6 @@ class HeadContext:
 
     def checkpoint(self, n_ahead: int | None = None) -> None:
         """Nothing to save: an attention cache drops any suffix."""
-
-    def drop_branches(self) -> None:
-        """A head drafts chains: no branches."""
 
     def perf_seconds(self) -> float:
         data = llama_cpp.llama_perf_context(self.ptr)
@@ -390,25 +449,33 @@ class _HeadShared:
         self._feature: _RowPointer | None = None  # made at the first encode (its width)
 
     def stage(
-        self, slot: HeadContext, tokens: Sequence[int], pos: int, hidden: np.ndarray | None
+        self,
+        slot: HeadContext,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        hidden: np.ndarray | None,
+        seqs: Sequence[int] | None = None,
+        every_row: bool = False,
     ) -> None:
-        """Add the rows to the batch now: llama.cpp copies each row's hidden state (None:
-        token rows alone)."""
+        """Add the rows to the batch now, at `positions`, in the slot's sequence or in
+        `seqs` (counted from the slot's own): llama.cpp copies each row's hidden state
+        (None: token rows alone). The last row gives logits; `every_row`: every row."""
         batch, place = self.batch, self._pos
         last = len(tokens) - 1
         for i, token in enumerate(tokens):
-            idx = llama_cpp.llama_batch_ext_add_token(batch, slot.seq, token)
+            seq = slot.seq if seqs is None else slot.seq + seqs[i]
+            idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
             if i == 0:
                 slot._first = idx
-            place[0] = pos + i
+            place[0] = positions[i]
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
             if hidden is not None:
                 llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
-            if i == last or slot.logits_every_row:
+            if i == last or every_row or slot.logits_every_row:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-                slot._out = idx
+            slot._out = idx
         self.staged.append(slot)
         self.n_staged += len(tokens)
 

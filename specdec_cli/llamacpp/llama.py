@@ -318,9 +318,10 @@ class Context:
         self.threads: int = params.n_threads
         self.flash_attn = params.flash_attn
         # Called after each decode call with this context's tokens in it: (the position
-        # of its first token, its places in the batch). A drafting head reads the
-        # target's hidden states there (see heads.record_hidden_states).
-        self.on_decoded: Callable[[int, slice], None] | None = None
+        # of its first token, its places in the batch), and after keep_branch with the
+        # kept path's places. A drafting head reads the target's hidden states there
+        # (see heads.record_hidden_states).
+        self.on_decoded: Callable[[int, slice | list[int]], None] | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0
         self._start_sequences(0, cparams.n_seq_max)
@@ -561,6 +562,10 @@ class Context:
             return
         branch = tree.sequences[index][0]  # a branch through `index`
         n_keep = self._last_call_start + int(tree.depths[index])
+        if self.on_decoded is not None:
+            # The path's rows, by position: a tree's rows are its nodes, not positions.
+            first = self._staged_rows.start
+            self.on_decoded(self._last_call_start, [first + i for i in tree.path(index)])
         if branch != 0:
             # That branch becomes the accepted sequence, as in llama.cpp's
             # examples/speculative (there with seq_keep, which would drop other slots).
