@@ -952,6 +952,42 @@ def test_serve_a_grammar_that_fails_ends_only_its_own_request(grammar_server) ->
     assert chunks[-1]["choices"][0]["finish_reason"] == "length", chunks[-1]
 
 
+def test_a_grammar_that_fails_while_drafting_ends_only_its_own_slot(
+    target_model: Path, draft_model: Path
+) -> None:
+    """Two slots drafting in the same draft calls: the one whose matcher fails in the
+    middle of its draft (llguidance meeting a limit) ends with its error, and the other
+    runs on to the text it writes alone."""
+    from test_slots import parallel_engine
+
+    grammar = Grammar.json_schema(SCHEMA)
+    with open_engine(target_model) as engine:
+        alone, _ = run(engine, engine.decoder, grammar, n=48)
+    with parallel_engine(target_model, draft_model, 2, k=3, tree="off") as engine:
+        prompt = engine.tokenize(PROMPT)
+        decoders = [engine.make_decoder("model", "3", "off", slot=slot) for slot in range(2)]
+        runs = [
+            d.start(prompt, 48, np.random.default_rng(0), Stats(), grammar=grammar)
+            for d in decoders
+        ]
+        failing = runs[0].constraint
+        assert failing is not None
+        follow = failing.follow
+
+        def meets_a_limit(path: list[int]) -> bool:
+            if len(path) > 1 and failing.n_emitted > 4:  # a draft's third token, later on
+                raise UserError("the JSON schema cannot go on: a limit met")
+            return follow(path)
+
+        failing.follow = meets_a_limit  # type: ignore[method-assign]
+        out: list[int] = []
+        while not all(g.finished for g in runs):
+            decode.step([g for g in runs if not g.finished])
+            out += runs[1].round.tokens if runs[1].round else []
+    assert isinstance(runs[0].error, UserError) and runs[1].error is None
+    assert out == alone
+
+
 def test_serve_hostile_tool_parameters_are_400_and_it_goes_on(grammar_server) -> None:
     """A tool's parameters go into the grammar that tool_choice "required" builds: the
     same bound on their depth."""

@@ -291,11 +291,11 @@ def step(
     # Every slot's draft at once: one draft decode call a depth for them all.
     planned = dict(zip(players, plans, strict=True))
     drafting = _each(players, lambda g: g.drafting(planned[g]))
-    players = [g for g, _ in drafting]
-    contexts = [g.decoder.drafter.ctx for g in players if g.decoder.drafter]
-    drafts = draft_together([steps for _, steps in drafting], contexts)
-    for g, draft in zip(players, drafts, strict=True):
-        g.stage_round(planned[g], draft)
+    contexts = [g.decoder.drafter.ctx for g, _ in drafting if g.decoder.drafter]
+    rounds = [None if steps is None else _failing_alone(g, steps) for g, steps in drafting]
+    drafts = dict(zip([g for g, _ in drafting], draft_together(rounds, contexts), strict=True))
+    drafted = [g for g in drafts if g.error is None]
+    players = [g for g, _ in _each(drafted, lambda g: g.stage_round(planned[g], drafts[g]))]
     room = min(target.batch_room, budget)
     for g in readers:
         room -= g.stage_prompt(room)
@@ -317,6 +317,17 @@ def _each(
         except UserError as error:
             g.fail(error)
     return done
+
+
+def _failing_alone(generation: Generation, steps: DraftSteps) -> DraftSteps:
+    """A generation's draft steps, run beside other slots' (draft_together): where its
+    grammar fails in them (see _each) it ends alone, drafting nothing more, and the
+    other slots' drafts go on."""
+    try:
+        return (yield from steps)
+    except UserError as error:
+        generation.fail(error)
+        return NO_DRAFT
 
 
 def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generation], int]:
