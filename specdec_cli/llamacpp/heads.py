@@ -402,7 +402,10 @@ class HeadContext:
         return _floats(self._shared.state_row, ptr).reshape(1, -1)
 
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
-        """The hidden states at these staged rows of the last flush, a row each (a copy)."""
+        """The hidden states at these staged rows of the last flush, a row each: for one
+        row (a chain's step, every draft token) a view, as `hidden`; else a copy."""
+        if len(rows) == 1:
+            return self.hidden(rows[0])
         return np.concatenate([self.hidden(row) for row in rows])
 
     def rewind(self, n_keep: int) -> int:

@@ -318,8 +318,8 @@ class Context:
         self.threads: int = params.n_threads
         self.flash_attn = params.flash_attn
         # Called after each decode call with this context's tokens in it: (the position
-        # of its first token, its places in the batch), and after keep_branch with the
-        # kept path's places. A drafting head reads the target's hidden states there
+        # of its first token, its places in the batch); for a tree's call, at keep_branch
+        # with the kept path's places. A drafting head reads the target's hidden states there
         # (see heads.record_hidden_states).
         self.on_decoded: Callable[[int, slice | list[int]], None] | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
@@ -510,7 +510,8 @@ class Context:
             self.runs += 1
         self._run_open = not shared
         self._tree, self._staged_tree = self._staged_tree, None
-        if self.on_decoded is not None:
+        # A tree's rows are its nodes, not positions: keep_branch reports the kept path's.
+        if self.on_decoded is not None and self._tree is None:
             self.on_decoded(self._last_call_start, self._staged_rows)
 
     def _failed(self) -> None:
@@ -562,8 +563,7 @@ class Context:
             return
         branch = tree.sequences[index][0]  # a branch through `index`
         n_keep = self._last_call_start + int(tree.depths[index])
-        if self.on_decoded is not None:
-            # The path's rows, by position: a tree's rows are its nodes, not positions.
+        if self.on_decoded is not None:  # the kept path's rows, by position (see _decoded)
             first = self._staged_rows.start
             self.on_decoded(self._last_call_start, [first + i for i in tree.path(index)])
         if branch != 0:
