@@ -827,6 +827,16 @@ def write_qwen35_model(
     return write_gguf(path, metadata, tensors)
 
 
+def successor_cycle(vocab: Tokenizer, rng: np.random.Generator) -> np.ndarray:
+    """succ(t) for every token: a random cycle through the text pieces (the NORMAL
+    tokens), every other token leading into it. A known-answer target writes it."""
+    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
+    cycle = rng.permutation(normal)
+    succ = np.full(len(vocab), cycle[0])
+    succ[cycle] = np.roll(cycle, -1)
+    return succ
+
+
 @dataclass(frozen=True)
 class KnownAnswer:
     """The tables of a model whose greedy text and MTP drafts are known in advance (see
@@ -872,10 +882,7 @@ def write_mtp_known_answer(
     half = -(-n_vocab // 64) * 64
     n_embd = 2 * half
     qp = Qwen35Params(n_embd=n_embd, n_layer=n_layer, n_ff=n_ff)
-    normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
-    cycle = rng.permutation(normal)
-    succ = np.full(n_vocab, cycle[0])
-    succ[cycle] = np.roll(cycle, -1)
+    succ = successor_cycle(vocab, rng)
     good = rng.random(n_vocab) < good_fraction
     ids = np.arange(n_vocab)
     token_embd = np.eye(n_vocab, n_embd, dtype=np.float32)
@@ -931,9 +938,7 @@ def _cycle_target(
     good token a, succ(succ(a)); for the rest succ(succ(succ(a)))."""
     n_vocab = len(vocab)
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
-    cycle = rng.permutation(normal)
-    succ = np.full(n_vocab, cycle[0])
-    succ[cycle] = np.roll(cycle, -1)
+    succ = successor_cycle(vocab, rng)
     good = rng.random(n_vocab) < good_fraction
     answer = np.where(good, succ[succ], succ[succ[succ]])
     target = llama_tensors(hp, vocab, int(rng.integers(1 << 30)))

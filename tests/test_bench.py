@@ -114,6 +114,9 @@ def test_ideal_speedup_charges_the_draft_only_for_a_model() -> None:
     r = report(baseline(), model, ngram)
     assert r.ideal_speedup(model) == pytest.approx(100 / 28)
     assert r.ideal_speedup(ngram) == pytest.approx(100 / 24)  # no draft cost: 20 * 1.2
+    # A head's steps cost what the measurements say too (a lookup's alone are free).
+    head = VariantResult(Variant("mtp+ngram", "4"), [stats(100, 1.0, 80, 60, passes=20, **kwargs)])
+    assert r.ideal_speedup(head) == pytest.approx(100 / 28)
 
 
 def test_verdict_high_speedup_names_the_best() -> None:

@@ -8,7 +8,8 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -192,28 +193,37 @@ class _FreshPair:
         self.model.close()
 
 
-def test_after_a_partial_acceptance_the_head_drafts_as_fresh_contexts(mtp_model: Path) -> None:
-    """Rounds of a greedy k=4 generation: at each round's first draft step, the head's
-    logits equal those of a fresh target and head fed the accepted text at once."""
+@contextmanager
+def first_step_logits(
+    drafter: type[HeadDrafter],
+) -> Iterator[list[tuple[list[int], np.ndarray]]]:
+    """While in it, each round of a `drafter` records its text and its logits at the
+    round's first draft step."""
     seen: list[tuple[list[int], np.ndarray]] = []
-    original = HeadDrafter.children
+    original = drafter.children
 
     def children(self, logits, rng, n, need_confidence, position=0, *rest):
         if position == len(self._tokens):  # a round's first draft step
             seen.append((self._tokens, logits.copy()))
         return original(self, logits, rng, n, need_confidence, position, *rest)
 
-    original_drafting = HeadDrafter.drafting
+    original_drafting = drafter.drafting
 
     def drafting(self, tokens, k, rng, *args, **kwargs):
         self._tokens = list(tokens)
         return original_drafting(self, tokens, k, rng, *args, **kwargs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(HeadDrafter, "children", children)
-        mp.setattr(HeadDrafter, "drafting", drafting)
-        with open_engine(mtp_model, 4) as engine:
-            stats = generate(engine, n=40)[1]
+        mp.setattr(drafter, "children", children)
+        mp.setattr(drafter, "drafting", drafting)
+        yield seen
+
+
+def test_after_a_partial_acceptance_the_head_drafts_as_fresh_contexts(mtp_model: Path) -> None:
+    """Rounds of a greedy k=4 generation: at each round's first draft step, the head's
+    logits equal those of a fresh target and head fed the accepted text at once."""
+    with first_step_logits(HeadDrafter) as seen, open_engine(mtp_model, 4) as engine:
+        stats = generate(engine, n=40)[1]
     assert 0 < stats.accepted < stats.drafted  # partial acceptances happened
     fresh = _FreshPair(mtp_model)
     try:

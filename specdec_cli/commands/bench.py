@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
@@ -61,8 +61,16 @@ class Variant:
 
     @property
     def uses_model(self) -> bool:
-        """Whether a draft model (alone or behind the lookup) does the drafting."""
-        return self.drafter is not None and "model" in self.drafter
+        """Whether a draft model or a head (alone or behind the lookup) does the drafting."""
+        return self.drafter not in (None, "ngram")
+
+    def named_for(self, engine: Engine) -> Variant:
+        """As the engine drafts it: a -d file that is a head ("eagle3", "dflash",
+        "assistant") drafts as that head, where the command line could only say "model"."""
+        head = engine.head
+        if head is None or engine.draft_ctx is not None or self.drafter is None:
+            return self
+        return replace(self, drafter=self.drafter.replace("model", head.kind))
 
     @property
     def name(self) -> str:
@@ -289,6 +297,7 @@ def run_bench(
     """Measure every variant on every prompt, `repeat` times, interleaved. `advance`
     hears what is being done and how many of the runs it finished."""
     n_predict, repeat, seed = options.n_predict, options.repeat, options.seed
+    variant_list = [v.named_for(engine) for v in variant_list]
     tokenized = [engine.tokenize(p) for p in prompts.values()]
     first_prompt = tokenized[0]
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)

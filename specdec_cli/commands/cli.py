@@ -81,7 +81,7 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
 from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
-from specdec_cli.models.heads import LAYER_READERS
+from specdec_cli.models.heads import HEAD_FILES
 from specdec_cli.models.resolve import HEAD
 from specdec_cli.serve.api import ServeOptions
 
@@ -842,7 +842,7 @@ def check(
             raise typer.Exit(1)
         return
     head = modelinfo.load_model(draft, config, need_vocab=False).file
-    if head.architecture in LAYER_READERS:
+    if head.architecture in HEAD_FILES:
         if not modelinfo.print_head_check(target_model, as_json=as_json, reader=head):
             raise typer.Exit(1)
         return

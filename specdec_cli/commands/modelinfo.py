@@ -16,7 +16,7 @@ from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.models.config import load_config
 from specdec_cli.models.gguf_meta import GGUFFile
-from specdec_cli.models.heads import describe_head, head_summary, layer_reader_problem
+from specdec_cli.models.heads import describe_head, head_file_problem, head_summary
 from specdec_cli.models.resolve import locate_model
 
 
@@ -210,11 +210,11 @@ def shared_token_texts(target: ModelFacts, draft: ModelFacts) -> int:
 
 def print_head_check(target: ModelFacts, *, as_json: bool, reader: GGUFFile | None = None) -> bool:
     """`specdec check -d mtp` (whether the target drafts with its own head, and how) or
-    `-d EAGLE3.gguf` / `-d DFLASH.gguf` (whether that file fits the target, reading its
-    layer inputs). Returns whether it can."""
+    `-d EAGLE3.gguf` / `-d DFLASH.gguf` / `-d ASSISTANT.gguf` (whether that file fits the
+    target). Returns whether it can."""
     head = describe_head(reader or target.file)
     if reader:
-        problem = layer_reader_problem(target.file, reader)
+        problem = head_file_problem(target.file, reader)
     else:
         problem = head["problem"] if head["heads"] else f"{target.path.name} has no MTP layers"
     if as_json:

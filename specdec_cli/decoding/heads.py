@@ -27,7 +27,7 @@ from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import HeadContext, HiddenStates
 from specdec_cli.llamacpp.llama import common_prefix
 
-HEAD_KINDS = ("mtp", "eagle3", "dflash")  # HeadContext.kind: the drafters' names
+HEAD_KINDS = ("mtp", "eagle3", "dflash", "assistant")  # HeadContext.kind: the drafters' names
 
 
 class HeadDrafter(ModelDrafter):
@@ -155,3 +155,46 @@ class BlockDrafter(HeadDrafter):
                 break
         head.drop_block()
         return draft
+
+
+class AssistantDrafter(HeadDrafter):
+    """A Gemma 4 assistant: the target's own cache is its memory (HeadContext.stage_at).
+
+    Every row of a round sits at the position of the text's last token, as the assistant
+    was trained (llama.cpp's driver does the same): the first reads that token beside the
+    target's state before it; each next one its parent's token beside the state its
+    parent's row gave. Nothing to catch up on, nothing to roll back, and a tree's nodes
+    need no branches: the rows of a depth differ only in what they read.
+    """
+
+    name = "assistant"
+    _last = 0  # the position of the text's last token, this round
+
+    def drafting(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
+        source: str | None = None,
+    ) -> DraftSteps:
+        """Up to k tokens deep; a chain, or the tree `shape` allows."""
+        self._last = len(tokens) - 1
+        state = self.states.before(self._last, len(tokens))
+        self.states.forget_before(self._last)
+        self.head.stage_at(tokens[-1:], self._last, state)
+        yield
+        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape)
+        draft.calls += 1  # the call that drafted the first depth
+        return draft
+
+    def stage_nodes(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        seqs: Sequence[int],
+        parent_rows: Sequence[int],
+    ) -> None:
+        """Each node at the last token's position, beside its parent's row's state."""
+        self.head.stage_at(tokens, self._last, self.head.hidden_rows(parent_rows))

@@ -36,10 +36,12 @@ from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
 from specdec_cli.models.gguf_meta import GGUFFile
 from specdec_cli.models.heads import (
+    ASSISTANT,
+    HEAD_FILES,
     LAYER_READERS,
+    head_file_problem,
     head_problem,
     is_mtp_sidecar,
-    layer_reader_problem,
     sidecar_problem,
     target_layers,
 )
@@ -461,12 +463,14 @@ def batch_warnings(options: EngineOptions) -> list[str]:
 
 def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> str | None:
     """Where the -d file is a head, not a model of its own, its kind ("eagle3", "dflash":
-    drafting through the target's layer inputs; "mtp": an MTP sidecar, the block alone),
-    checked against the target in one line. None otherwise."""
+    drafting through the target's layer inputs; "assistant": a Gemma 4 assistant, reading
+    the target's cache; "mtp": an MTP sidecar, the block alone), checked against the
+    target in one line. None otherwise."""
     if draft is None:
         return None
-    if draft.architecture in LAYER_READERS:
-        kind, problem = draft.architecture, layer_reader_problem(target, draft)
+    if draft.architecture in HEAD_FILES:
+        kind = "assistant" if draft.architecture == ASSISTANT else draft.architecture
+        problem = head_file_problem(target, draft)
     elif is_mtp_sidecar(draft):
         kind, problem = "mtp", sidecar_problem(target, draft)
     else:

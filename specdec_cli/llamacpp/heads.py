@@ -25,6 +25,11 @@ the target decoded goes into its cache as keys and values made from them (`injec
 decode of feature rows), and one decode of a block [last token, mask, mask, ...], which
 attends both ways, predicts at each mask's row the token at that position (`stage_block`):
 a whole draft a call.
+
+A Gemma 4 assistant has no cache of its own: its attention reads the target's (its last
+sliding-window and last full layers'), so it needs no catch-up. Each of its rows sits at
+the position of the text's last token, beside a hidden state (the target's before it,
+then its own), and reads the target's cache up to there (`stage_at`).
 """
 
 from __future__ import annotations
@@ -186,8 +191,9 @@ class HeadContext:
     after p - 1; "eagle3", an EAGLE-3 draft file (its context borrows the target's
     embeddings and output through ctx_other), reading at position p the token at p + 1
     beside its encoding of the target's layer inputs at p (`states_for`): its rows lie one
-    position `shift`ed; and "dflash", a DFlash file, fed the target's layer inputs at
-    each position (`inject`), drafting a block a call (`stage_block`)."""
+    position `shift`ed; "dflash", a DFlash file, fed the target's layer inputs at
+    each position (`inject`), drafting a block a call (`stage_block`); and "assistant", a
+    Gemma 4 assistant, whose cache is the target's (`stage_at`)."""
 
     def __init__(
         self,
@@ -214,11 +220,13 @@ class HeadContext:
         cparams.n_ubatch = min(target.n_batch, llama_cpp.llama_n_ubatch(target.ptr))
         # llama.cpp keeps an output row per sequence, and no more rows than a batch has.
         cparams.n_seq_max = min(n_slots * seqs_per_slot, target.n_batch)
+        if kind == "assistant":  # its rows go into the target's sequences (see stage_at)
+            cparams.n_seq_max = target.n_seq_max
         cparams.kv_unified = cparams.n_seq_max > 1  # branches share the cells of their path
         cparams.n_threads = cparams.n_threads_batch = target.threads
         cparams.flash_attn_type = FLASH_ATTN[target.flash_attn]
         cparams.no_perf = False
-        if self.kind == "mtp":
+        if self.kind in ("mtp", "assistant"):
             cparams.ctx_type = llama_cpp.LLAMA_CONTEXT_TYPE_MTP
         cparams.ctx_other = target.ptr
         cparams.n_rs_seq = 0
@@ -230,7 +238,13 @@ class HeadContext:
         # state, which Qwen3.5's MTP graph computes for every row, so that a call whose
         # last row alone has logits hands back its first row's state.
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
-        n_embd = llama_cpp.llama_model_n_embd(model.ptr)
+        # The width of the states it reads and gives: an assistant's are the target's.
+        width = (
+            llama_cpp.llama_model_n_embd_out
+            if kind == "assistant"
+            else llama_cpp.llama_model_n_embd
+        )
+        n_embd = width(model.ptr)
         self._shared = _HeadShared(ptr, target.model.n_vocab, n_embd, cparams.n_ubatch)
         if kind == "dflash":
             # A block sees itself both ways, unless the file was trained causal.
@@ -338,6 +352,14 @@ class HeadContext:
             llama_cpp.llama_memory_seq_rm(memory, branch, -1, -1)
         self._branches = 0
 
+    def stage_at(self, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
+        """An assistant's rows: each at `pos` (the text's last token's, which the target
+        has not read yet) in the slot's own sequence, beside its row of `hidden`, each
+        with logits and a hidden state. They read the target's cache below `pos` and
+        leave nothing behind, so the rows of a tree's depth need no branches."""
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        self._shared.stage(self, tokens, [pos] * len(tokens), hidden, every_row=True)
+
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """DFlash: put the target's layer inputs at the positions of `tokens` (after the
         sequence) into the drafter's cache, now, as llama.cpp's driver does per sequence."""
@@ -369,6 +391,9 @@ class HeadContext:
         """Evaluate `tokens` at positions pos, pos + 1, ... with zero hidden states (the
         cost measurements' filler), a batch at a time."""
         assert pos == len(self.tokens)
+        if self.kind == "assistant":  # what it reads is in the target's cache already
+            self.tokens.extend(tokens)
+            return
         for start in range(0, len(tokens), self.n_batch):
             self.stage(tokens[start : start + self.n_batch])
             self.flush()

@@ -1,6 +1,6 @@
 """Which pairings a drafting head can draft for, read from the files' headers before
 anything loads (llama.cpp aborts the process on a graph it cannot build): a target's own
-MTP ("nextn") head, and an EAGLE-3 or DFlash file for a target."""
+MTP ("nextn") head, and an EAGLE-3, DFlash or Gemma 4 assistant file for a target."""
 
 from __future__ import annotations
 
@@ -8,8 +8,11 @@ from specdec_cli.models.gguf_meta import GGUFFile
 
 EAGLE3 = "eagle3"
 DFLASH = "dflash"
+ASSISTANT = "gemma4-assistant"
 # The files that draft through a target's layer inputs: their architectures.
 LAYER_READERS = (EAGLE3, DFLASH)
+# The -d files that are heads, not models of their own: their architectures.
+HEAD_FILES = (*LAYER_READERS, ASSISTANT)
 DFLASH_BLOCK_SIZE = 16  # llama.cpp's default where a file does not say (dflash.block_size)
 # The architectures whose MTP blocks llama.cpp runs as a draft context (those with an
 # LLM_GRAPH_TYPE_DECODER_MTP graph in src/models), by their GGUF names.
@@ -38,6 +41,15 @@ def describe_head(file: GGUFFile) -> dict[str, object]:
     """What `specdec info` and `check` say of a model's own drafting head, or of an
     EAGLE-3 file: the method, how many heads, which target layers' outputs (MTP) or
     inputs (EAGLE-3) each reads, and why it cannot draft."""
+    if file.architecture == ASSISTANT:
+        return {
+            "method": ASSISTANT,
+            "heads": file.n_layers or 0,
+            "reads_layers": [],  # the target's last two, whichever they are
+            "target_hidden_size": file.metadata.get(f"{ASSISTANT}.embedding_length_out"),
+            "blocks": [],
+            "problem": None,
+        }
     if file.architecture in LAYER_READERS:
         return {
             "method": file.architecture,
@@ -69,6 +81,12 @@ def head_summary(head: dict[str, object]) -> str:
             f"an EAGLE-3 head: reads the inputs of target layers {head['reads_layers']} "
             f"(n_layer: the final state) of a {head['target_hidden_size']}-wide target; "
             "drafts with -d THIS_FILE"
+        )
+    if head["method"] == ASSISTANT:
+        return (
+            f"a Gemma 4 assistant ({head['heads']} layers): reads the final hidden state of a "
+            f"{head['target_hidden_size']}-wide Gemma 4 target, and the keys and values of its "
+            "last sliding-window and last full layers; drafts with -d THIS_FILE"
         )
     if head["method"] == DFLASH:
         return (
@@ -154,6 +172,53 @@ def target_layers(head: GGUFFile) -> list[int]:
     """The target layers whose inputs an EAGLE-3 or DFlash file reads (n_layer: the
     final state)."""
     return [int(i) for i in head.metadata.get(f"{head.architecture}.target_layers") or []]
+
+
+def head_file_problem(target: GGUFFile, head: GGUFFile) -> str | None:
+    """Why a head file (one of HEAD_FILES) cannot draft for this target (None: it can)."""
+    if head.architecture == ASSISTANT:
+        return assistant_problem(target, head)
+    return layer_reader_problem(target, head)
+
+
+def assistant_problem(target: GGUFFile, head: GGUFFile) -> str | None:
+    """Why a Gemma 4 assistant cannot draft for this target (None: it can). It reads the
+    target's token embeddings, its final state, and the cache of its last two layers
+    (the last sliding-window one, then the last full one, with their head shapes):
+    llama.cpp asserts, or reads the wrong cache, where they differ."""
+    name, target_name = head.path.name, target.path.name
+    if target.architecture != "gemma4":
+        return f"{name} drafts for Gemma 4 models, {target_name} is a {target.architecture} model"
+    width = head.metadata.get(f"{ASSISTANT}.embedding_length_out")
+    if width != target.embedding_length:
+        return f"{name} was made for a hidden size of {width}, {target_name}'s is " + str(
+            target.embedding_length
+        )
+    if len(head.tokens) != len(target.tokens):
+        return f"{name} has {len(head.tokens)} tokens, {target_name} {len(target.tokens)}"
+    pattern = target.metadata.get("gemma4.attention.sliding_window_pattern") or []
+    if len(pattern) < 2 or not pattern[-2] or pattern[-1]:
+        return f"{target_name} does not end with a sliding-window layer and a full one"
+    for key in ("key_length", "key_length_swa"):
+        theirs = target.metadata.get(f"gemma4.attention.{key}")
+        ours = head.metadata.get(f"{ASSISTANT}.attention.{key}")
+        if theirs != ours:
+            return f"{name} reads attention.{key} {ours}, {target_name} has {theirs}"
+    # Each of its layers reads the target's last layer of its kind (llama.cpp's `share`).
+    n_head_layers = head.n_layers or 0
+    theirs = _per_layer(target.metadata.get("gemma4.attention.head_count_kv"), len(pattern))
+    ours = _per_layer(head.metadata.get(f"{ASSISTANT}.attention.head_count_kv"), n_head_layers)
+    sliding = head.metadata.get(f"{ASSISTANT}.attention.sliding_window_pattern") or []
+    for layer, (n_kv, is_swa) in enumerate(zip(ours, sliding, strict=False)):
+        shared = theirs[-2 if is_swa else -1]
+        if n_kv != shared:
+            return f"{name}'s layer {layer} reads {n_kv} KV heads, {target_name}'s {shared}"
+    return None
+
+
+def _per_layer(value: object, n_layers: int) -> list[object]:
+    """A key that is one value for every layer, or an array of one a layer."""
+    return list(value) if isinstance(value, list) else [value] * n_layers
 
 
 def layer_reader_problem(target: GGUFFile, head: GGUFFile) -> str | None:
