@@ -341,16 +341,28 @@ class HeadContext:
         sharing their cells (see Context.fork)."""
         if not 0 < seq < self.n_seq_max:
             raise RuntimeError(f"{self.model.path.name}: no branch {seq} in this slot")
-        memory = llama_cpp.llama_get_memory(self.ptr)
-        llama_cpp.llama_memory_seq_cp(memory, self.seq + source, self.seq + seq, -1, n_tokens)
+        memory = self._memory
+        if memory:
+            llama_cpp.llama_memory_seq_cp(memory, self.seq + source, self.seq + seq, -1, n_tokens)
         self._branches = max(self._branches, seq)
 
     def drop_branches(self) -> None:
         """Forget every branch, keeping the slot's own sequence alone."""
-        memory = llama_cpp.llama_get_memory(self.ptr)
         for branch in range(self.seq + 1, self.seq + self._branches + 1):
-            llama_cpp.llama_memory_seq_rm(memory, branch, -1, -1)
+            self._forget(branch, 0)
         self._branches = 0
+
+    @property
+    def _memory(self) -> llama_cpp.llama_memory_t | None:
+        """Its cache, None for an assistant's: that is the target's, which llama.cpp
+        (today) leaves alone when the assistant's context is asked to change it."""
+        return None if self.kind == "assistant" else llama_cpp.llama_get_memory(self.ptr)
+
+    def _forget(self, seq: int, first: int) -> None:
+        """Forget sequence `seq` (absolute) from position `first` on."""
+        memory = self._memory
+        if memory:
+            llama_cpp.llama_memory_seq_rm(memory, seq, first, -1)
 
     def stage_at(self, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
         """An assistant's rows: each at `pos` (the text's last token's, which the target
@@ -381,8 +393,7 @@ class HeadContext:
 
     def drop_block(self) -> None:
         """Forget the staged block's rows (from the end of `tokens`)."""
-        memory = llama_cpp.llama_get_memory(self.ptr)
-        llama_cpp.llama_memory_seq_rm(memory, self.seq, len(self.tokens), -1)
+        self._forget(self.seq, len(self.tokens))
 
     def flush(self) -> int:
         return self._shared.flush(self.model.path.name)
@@ -437,8 +448,7 @@ class HeadContext:
         """Forget every position >= n_keep (a head's memory is attention only)."""
         self.drop_branches()
         if n_keep < len(self.tokens):
-            memory = llama_cpp.llama_get_memory(self.ptr)
-            llama_cpp.llama_memory_seq_rm(memory, self.seq, n_keep, -1)
+            self._forget(self.seq, n_keep)
             del self.tokens[n_keep:]
         self.fed = min(self.fed, len(self.tokens))
         return len(self.tokens)
