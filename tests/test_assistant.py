@@ -233,6 +233,7 @@ def test_check_info_and_run_say_what_the_assistant_is(pair) -> None:
     assert check.returncode == 0, check.stderr
     record = json.loads(check.stdout)
     assert (record["method"], record["problem"]) == ("gemma4-assistant", None)
+    assert record["draft"] == str(assistant)  # (it said "mtp" for every head file)
     args = ["-p", PROMPT, "-n", "16", "--temp", "0", "-k", "3", "-fa", "off", "-t", "1"]
     run = specdec("run", "-m", str(target), "-d", str(assistant), *args, "--json")
     assert run.returncode == 0, run.stderr

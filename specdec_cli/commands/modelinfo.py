@@ -218,7 +218,8 @@ def print_head_check(target: ModelFacts, *, as_json: bool, reader: GGUFFile | No
     else:
         problem = head["problem"] if head["heads"] else f"{target.path.name} has no MTP layers"
     if as_json:
-        print(json.dumps({"target": str(target.path), "draft": "mtp", **head, "problem": problem}))
+        draft = str(reader.path) if reader else "mtp"
+        print(json.dumps({"target": str(target.path), "draft": draft, **head, "problem": problem}))
         return problem is None
     print(f"target: {target.path}")
     print(
