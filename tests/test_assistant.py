@@ -16,12 +16,11 @@ from conftest import pin_costs
 from gemma4gen import AssistantKnownAnswer, write_assistant_known_answer
 from ggufgen import spm_vocab
 from test_cli_run import specdec
-from test_decode import PROMPT, SAMPLING, first_tokens
+from test_decode import PROMPT, SAMPLING
 from test_head_trees import FLAT_COSTS
 from test_heads import (
-    N_RUNS,
     _MislabelledHead,
-    assert_same_distribution,
+    assert_sampled_like_the_target,
     expected_rounds,
     first_step_logits,
     generate,
@@ -215,13 +214,7 @@ def test_sampled_assistant_matches_target_distribution(tmp_path: Path, tree: str
     spread = {"target_blocks": 0.3, "target_output": 0.15, "assistant_output": 0.15}
     write_assistant_known_answer(target, assistant, spm_vocab(), 9, second=0.8, **spread)
     with open_with_head_file(target, assistant, 3, tree, sampling=SAMPLING) as engine:
-        baseline = first_tokens(engine, range(N_RUNS), engine.make_decoder(None, "1"))
-        speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
-        decoder = engine.decoder
-        head = decoder.drafter
-        decoder.drafter = _MislabelledAssistant(head.head, head.states, head.sampling)
-        broken = first_tokens(engine, range(2 * N_RUNS, 3 * N_RUNS))
-    assert_same_distribution(baseline, speculative, broken)
+        assert_sampled_like_the_target(engine, _MislabelledAssistant)
 
 
 def test_check_info_and_run_say_what_the_assistant_is(pair) -> None:

@@ -256,12 +256,19 @@ def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
     """First tokens of many seeded runs, head-drafted against target-only; the negative
     control (a q that is not what the head drew from) must be told apart."""
     with open_engine(mtp_model, 3, SAMPLING) as engine:
-        baseline = first_tokens(engine, range(N_RUNS), engine.make_decoder(None, "1"))
-        speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
-        decoder = engine.decoder
-        head = decoder.drafter
-        decoder.drafter = _MislabelledHead(head.head, head.states, head.sampling)
-        broken = first_tokens(engine, range(2 * N_RUNS, 3 * N_RUNS))
+        assert_sampled_like_the_target(engine, _MislabelledHead)
+
+
+def assert_sampled_like_the_target(engine: Engine, mislabelled: type[HeadDrafter]) -> None:
+    """First tokens of seeded runs of the engine's head against target-only, by
+    chi-square; then the negative control: the head replaced by `mislabelled` (drawing
+    from its q, telling the verifier another), which must be told apart."""
+    baseline = first_tokens(engine, range(N_RUNS), engine.make_decoder(None, "1"))
+    speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
+    decoder = engine.decoder
+    head = decoder.drafter
+    decoder.drafter = mislabelled(head.head, head.states, head.sampling)
+    broken = first_tokens(engine, range(2 * N_RUNS, 3 * N_RUNS))
     assert_same_distribution(baseline, speculative, broken)
 
 

@@ -198,3 +198,10 @@ class AssistantDrafter(HeadDrafter):
     ) -> None:
         """Each node at the last token's position, beside its parent's row's state."""
         self.head.stage_at(tokens, self._last, self.head.hidden_rows(parent_rows))
+
+
+# Each head kind's drafter (HeadContext.kind); the others' is HeadDrafter.
+DRAFTER_OF_KIND: dict[str, type[HeadDrafter]] = {
+    "dflash": BlockDrafter,
+    "assistant": AssistantDrafter,
+}
