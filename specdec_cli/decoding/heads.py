@@ -92,21 +92,6 @@ class HeadDrafter(ModelDrafter):
         """Each node beside the head's own state at the row its logits came from."""
         self.head.stage_branches(tokens, positions, seqs, self.head.hidden_rows(parent_rows))
 
-
-class BlockDrafter(HeadDrafter):
-    """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
-
-    Its memory holds, at each position the target has decoded, what it made of the
-    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
-    as its logits are read. Each row's token is chosen from that row's logits alone, as
-    a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
-    choices, so a sampled token is drawn from the q that the verifier is told, given the
-    tokens before it, and rejection sampling stays exact. Its rows are independent, all
-    in one call: it drafts chains.
-    """
-
-    name = "dflash"
-
     def _take(
         self,
         draft: Draft,
@@ -127,6 +112,21 @@ class BlockDrafter(HeadDrafter):
         if need_confidence:
             draft.confidences.append(probs[0])
         return True
+
+
+class BlockDrafter(HeadDrafter):
+    """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
+
+    Its memory holds, at each position the target has decoded, what it made of the
+    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
+    as its logits are read. Each row's token is chosen from that row's logits alone, as
+    a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
+    choices, so a sampled token is drawn from the q that the verifier is told, given the
+    tokens before it, and rejection sampling stays exact. Its rows are independent, all
+    in one call: it drafts chains.
+    """
+
+    name = "dflash"
 
     def drafting(
         self,
@@ -200,8 +200,63 @@ class AssistantDrafter(HeadDrafter):
         self.head.stage_at(tokens, self._last, self.head.hidden_rows(parent_rows))
 
 
+class ChainedHeadDrafter(HeadDrafter):
+    """Several MTP blocks, one a draft step (MiMo-V2, Step-3.5, Hunyuan v3, ...): block i
+    drafts the (i + 1)-th token, reading the text beside the target's states and the
+    drafts before it beside the states the blocks before it gave, as llama.cpp's driver
+    chains them (common/speculative.cpp, chain_heads). It drafts chains, at most a token
+    a block.
+
+    Each block attends over keys and values of its own, so each keeps a sequence of its
+    own (HeadContext.stage_head), holding the text read beside the target's states, and
+    its last draft rows until the next round. Step i catches block i up on the text the
+    target accepted since and drafts at once, in one call: llama.cpp's driver catches
+    every block up in a call of its own first (one per block), then drafts. A round that
+    drafts fewer tokens than there are blocks still catches the others up, a call each:
+    the target's states are kept for one round only, and no block may lag the text.
+    """
+
+    def drafting(
+        self,
+        tokens: list[int],
+        k: int,
+        rng: np.random.Generator,
+        keep_drafting: KeepDrafting | None = None,
+        shape: TreeShape | None = None,
+        source: str | None = None,
+    ) -> DraftSteps:
+        """Up to k tokens (one a block at most), a chain."""
+        head, last = self.head, len(tokens) - 1
+        if not last:
+            return Draft(source=self.name)
+        n_keep = min(common_prefix(head.tokens, tokens), last)
+        read, states = tokens[n_keep:], self.states.before(n_keep, len(tokens))
+        self.states.forget_before(last)
+        head.tokens = list(tokens)  # what every block holds after this round, drafts aside
+        draft = Draft(source=self.name)
+        own: list[np.ndarray] = []  # each drafting block's state at its last row
+        for block in range(head.n_heads):
+            head.forget_head(block, n_keep)  # and its draft rows of last round
+            drafting = len(own) == block < k
+            rows, hidden = (read + draft.tokens, [states, *own]) if drafting else (read, [states])
+            head.stage_head(block, rows, n_keep, np.concatenate(hidden))
+            yield
+            draft.calls += 1
+            position = len(tokens) + block
+            if drafting and self._take(draft, head.logits(), rng, position, keep_drafting):
+                own.append(head.hidden().copy())
+        return draft
+
+
 # Each head kind's drafter (HeadContext.kind); the others' is HeadDrafter.
 DRAFTER_OF_KIND: dict[str, type[HeadDrafter]] = {
     "dflash": BlockDrafter,
     "assistant": AssistantDrafter,
 }
+
+
+def drafter_for(head: HeadContext) -> type[HeadDrafter]:
+    """The drafter of this head: by its kind, and chained MTP blocks by their number."""
+    if head.n_heads > 1:
+        return ChainedHeadDrafter
+    return DRAFTER_OF_KIND.get(head.kind, HeadDrafter)

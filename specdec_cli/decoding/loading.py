@@ -157,13 +157,14 @@ class LoadedModels:
         parallel = options.parallel
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
         threads = options.threads or physical_cores()
+        loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
+        draft_model, head_model = (None, loaded) if head_kind else (loaded, None)
+        chains_only = _chains_only(head_kind, self.model if uses_head else head_model)
+        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, chains_only)
         # Before the contexts: their flash attention setting is fixed when they are made.
         self.flash_attn = self._choose_flash_attn(
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
-        loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
-        draft_model, head_model = (None, loaded) if head_kind else (loaded, None)
-        self.tree_nodes = self._tree_nodes(draft_model, n_ctx, head_kind)
         # A tree's leaves are the target's sequences; the draft needs one per node it
         # extends (see drafters._Growth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
@@ -246,18 +247,17 @@ class LoadedModels:
         o = self.options
         return ContextParams(n_ctx, threads, flash_attn, o.n_batch, o.n_ubatch, n_rs_seq, n_seq_max)
 
-    def _tree_nodes(self, draft_model: Model | None, n_ctx: int, head_file: str | None) -> int:
+    def _tree_nodes(self, draft_model: Model | None, n_ctx: int, chains_only: str | None) -> int:
         """The most tokens a draft tree may hold (0: chains only). A tree verifies in one
         decode call, and a context holds at most a batch's worth of sequences (one per
         leaf, and the accepted one). A recurrent model keeps one state per sequence, not
         per branch: it drafts and verifies chains. A drafting head grows trees as a draft
-        model does, but for a DFlash file (`head_file`: the kind of head a -d file is),
-        whose one call drafts a block: a chain."""
+        model does, but for those that draft chains only (`chains_only` says why)."""
         tree = self.options.drafting.tree
         nodes = parse_tree(tree) or 0
-        if nodes and head_file == "dflash":
+        if nodes and chains_only:
             if tree != "auto":
-                raise UserError(f"--tree {tree}: a DFlash drafter drafts chains; use --tree off")
+                raise UserError(f"--tree {tree}: {chains_only}; use --tree off")
             return 0
         recurrent = [m.path.name for m in (self.model, draft_model) if m and m.recurrent]
         if nodes and recurrent:
@@ -459,6 +459,16 @@ def batch_warnings(options: EngineOptions) -> list[str]:
         for flag, n in asked
         if n > most
     ]
+
+
+def _chains_only(head_kind: str | None, head_model: Model | None) -> str | None:
+    """Why the drafting head drafts chains only (None: it can grow trees): a DFlash file's
+    one call drafts a block, chained MTP blocks a token each."""
+    if head_kind == "dflash":
+        return "a DFlash drafter drafts chains"
+    if head_kind in (None, "mtp") and head_model and head_model.n_nextn > 1:
+        return f"{head_model.path.name}'s {head_model.n_nextn} chained MTP blocks draft chains"
+    return None
 
 
 def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> str | None:

@@ -20,7 +20,7 @@ from specdec_cli.decoding.drafters import (
     TextMemory,
 )
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
-from specdec_cli.decoding.heads import DRAFTER_OF_KIND, HEAD_KINDS, HeadDrafter
+from specdec_cli.decoding.heads import HEAD_KINDS, HeadDrafter, drafter_for
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy
@@ -102,8 +102,7 @@ class Policy:
         if not self.models.head_slots:
             raise UserError(f"{self.models.model.path.name} drafts with no head here")
         head, states = self.models.head_slots[slot]
-        drafter = DRAFTER_OF_KIND.get(head.kind, HeadDrafter)
-        return drafter(head, states, self.models.options.sampling)
+        return drafter_for(head)(head, states, self.models.options.sampling)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
         """The draft model's drafter: in the target's vocabulary, or translated to it."""

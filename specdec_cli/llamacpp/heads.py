@@ -30,6 +30,11 @@ A Gemma 4 assistant has no cache of its own: its attention reads the target's (i
 sliding-window and last full layers'), so it needs no catch-up. Each of its rows sits at
 the position of the text's last token, beside a hidden state (the target's before it,
 then its own), and reads the target's cache up to there (`stage_at`).
+
+Some models (MiMo-V2, Step-3.5, Hunyuan v3, ...) carry several MTP blocks, one a draft
+step; llama.cpp picks a call's block with llama_set_nextn_layer_offset. Each block
+attends over its own keys and values, so each keeps a sequence of its own in the head's
+context (`stage_head`): a call decodes one block's rows, every slot's.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from llama_cpp import llama_cpp_ext
 
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import FLASH_ATTN, Context, Model
-from specdec_cli.models.heads import DFLASH_BLOCK_SIZE
+from specdec_cli.models.heads import DFLASH_BLOCK_SIZE, MTP_STATES_OF_OUTPUTS_ONLY
 
 
 def _floats(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
@@ -214,6 +219,10 @@ class HeadContext:
         # last row's place reads the first row's logits. A DFlash block wants them all.
         self.logits_every_row = kind in ("eagle3", "dflash")
         model = model or target.model
+        # MTP blocks chained one a draft step, each in a sequence of its own (see
+        # stage_head); 1 for every other kind.
+        self.n_heads = max(1, model.n_nextn) if kind == "mtp" else 1
+        seqs_per_slot = max(seqs_per_slot, self.n_heads)
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
         cparams.n_batch = target.n_batch
@@ -233,11 +242,14 @@ class HeadContext:
         ptr = llama_cpp.llama_init_from_model(model.ptr, cparams)
         if not ptr:
             raise UserError(f"llama.cpp could not create a drafting context for {model.path.name}")
-        # Every row's hidden state, read by its batch place. Not "masked" (the rows with
-        # logits only): llama.cpp then copies the first n_outputs rows of the graph's
-        # state, which Qwen3.5's MTP graph computes for every row, so that a call whose
-        # last row alone has logits hands back its first row's state.
-        llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
+        # The rows' hidden states, read by their batch places. Not "masked" (the rows with
+        # logits only), where the graph computes the state of every row (Qwen3.5's MTP
+        # graph): llama.cpp would copy its first n_outputs rows, so that a call whose
+        # last row alone has logits would hand back its first row's state. Masked where
+        # the graph computes them for those rows alone (unmasked, llama.cpp would read
+        # past its end).
+        masked = _metadata(model, "general.architecture") in MTP_STATES_OF_OUTPUTS_ONLY
+        llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, masked)
         # The width of the states it reads and gives: an assistant's are the target's.
         width = (
             llama_cpp.llama_model_n_embd_out
@@ -372,6 +384,19 @@ class HeadContext:
         hidden = np.ascontiguousarray(hidden, np.float32)
         self._shared.stage(self, tokens, [pos] * len(tokens), hidden, every_row=True)
 
+    def stage_head(self, head: int, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
+        """Chained MTP blocks: rows for block `head` (0: the first draft step's), in its own
+        sequence of this slot, at positions pos, pos + 1, ..., each beside its row of
+        `hidden`; the last gives logits and a hidden state. A flush decodes one block's
+        rows: every slot stages the same block between two flushes."""
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        seqs = [head] * len(tokens)
+        self._shared.stage(self, tokens, range(pos, pos + len(tokens)), hidden, seqs, head=head)
+
+    def forget_head(self, head: int, first: int) -> None:
+        """Forget block `head`'s rows (stage_head) from position `first` on."""
+        self._forget(self.seq + head, first)
+
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """DFlash: put the target's layer inputs at the positions of `tokens` (after the
         sequence) into the drafter's cache, now, as llama.cpp's driver does per sequence."""
@@ -485,6 +510,8 @@ class _HeadShared:
         self.state_row = ctypes.c_float * n_embd
         self._state = _RowPointer(n_embd)
         self._feature: _RowPointer | None = None  # made at the first encode (its width)
+        # The MTP block the staged rows are for, and the one llama.cpp decodes with now.
+        self.head, self._head_set = 0, 0
 
     def stage(
         self,
@@ -494,10 +521,15 @@ class _HeadShared:
         hidden: np.ndarray | None,
         seqs: Sequence[int] | None = None,
         every_row: bool = False,
+        head: int = 0,
     ) -> None:
         """Add the rows to the batch now, at `positions`, in the slot's sequence or in
         `seqs` (counted from the slot's own): llama.cpp copies each row's hidden state
-        (None: token rows alone). The last row gives logits; `every_row`: every row."""
+        (None: token rows alone). The last row gives logits; `every_row`: every row.
+        `head`: the MTP block they are for (chained blocks: one a flush)."""
+        if self.n_staged and head != self.head:
+            raise RuntimeError(f"rows for MTP blocks {self.head} and {head} in one call")
+        self.head = head
         batch, place = self.batch, self._pos
         last = len(tokens) - 1
         for i, token in enumerate(tokens):
@@ -556,6 +588,9 @@ class _HeadShared:
         staged, n = self.staged, self.n_staged
         if not n:
             return 0
+        if self.head != self._head_set:
+            llama_cpp_ext.llama_set_nextn_layer_offset(self.ptr, self.head)
+            self._head_set = self.head
         t0 = time.perf_counter()
         status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
         llama_cpp.llama_synchronize(self.ptr)

@@ -37,6 +37,18 @@ MTP_ARCHITECTURES = frozenset(
 )
 
 
+# Those whose MTP graph takes one of several blocks a call (llama_set_nextn_layer_offset):
+# they chain, one block a draft step.
+CHAINED_MTP_ARCHITECTURES = frozenset(
+    {"bailingmoe3", "deepseek32", "deepseek4", "glm-dsa", "glm4moe", "hy_v3", "mimo2", "step35"}
+)
+
+
+# Those whose MTP graph gives a state for the rows with logits only (it gathers them
+# first): the others give one for every row.
+MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
+
+
 def describe_head(file: GGUFFile) -> dict[str, object]:
     """What `specdec info` and `check` say of a model's own drafting head, or of an
     EAGLE-3 file: the method, how many heads, which target layers' outputs (MTP) or
@@ -94,8 +106,9 @@ def head_summary(head: dict[str, object]) -> str:
             f"of a {head['target_hidden_size']}-wide target; drafts with -d THIS_FILE"
         )
     blocks = ", ".join(str(b) for b in head["blocks"])  # type: ignore[attr-defined]
+    chained = " chained, one a draft step," if head["heads"] > 1 else ""  # type: ignore[operator]
     line = (
-        f"MTP, {head['heads']} block(s) ({blocks}), reading the output of layer "
+        f"MTP, {head['heads']} block(s) ({blocks}),{chained} reading the output of layer "
         f"{head['reads_layers'][0]} after the final norm"  # type: ignore[index]
     )
     if head["problem"]:
@@ -135,9 +148,8 @@ def head_problem(file: GGUFFile) -> str | None:
         return f"{name} has no MTP layers to draft with"
     if arch not in MTP_ARCHITECTURES:
         return f"llama.cpp cannot run the MTP layers of a {arch} model as a draft"
-    if n_heads > 1:
-        # step35, hy_v3 and mimo2 chain one head a draft step (llama_set_nextn_layer_offset).
-        return f"{name} has {n_heads} chained MTP heads; specdec drives single heads so far"
+    if n_heads > 1 and arch not in CHAINED_MTP_ARCHITECTURES:
+        return f"llama.cpp runs one MTP block of a {arch} model, and {name} has {n_heads}"
     return None
 
 

@@ -1,0 +1,216 @@
+"""Chained MTP blocks (MiMo-V2, Step-3.5, Hunyuan v3, ...): block i drafts the (i + 1)-th
+token. The output is the target's alone, token for token and in distribution; each block
+reads the right states and its own cache; llama.cpp's own driver drafts the same."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+from ggufgen import spm_vocab
+from mimo2gen import ChainedKnownAnswer, write_chained_known_answer
+from test_cli_run import specdec
+from test_decode import PROMPT, SAMPLING
+from test_heads import (
+    _MislabelledHead,
+    assert_sampled_like_the_target,
+    expected_rounds,
+    generate,
+    llama_cpp_counts,
+    llama_cpp_rounds,
+    open_engine,
+    run_in_slots,
+    without_target_states,
+)
+
+from specdec_cli.decoding.heads import ChainedHeadDrafter
+from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+
+N_HEADS = 3
+
+
+@pytest.fixture(scope="module")
+def chained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, ChainedKnownAnswer]:
+    path = tmp_path_factory.mktemp("mimo2") / "mimo2-known-answer.gguf"
+    return path, write_chained_known_answer(path, spm_vocab(), seed=3, n_heads=N_HEADS)
+
+
+@pytest.fixture(scope="module")
+def reference(chained) -> list[int]:
+    with open_engine(chained[0], head=False) as engine:
+        return generate(engine)[0]
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 8])
+def test_acceptance_follows_from_the_tables(chained, k: int) -> None:
+    """The target writes its cycle, and the blocks' drafts, one a block (k = 8 drafts 3),
+    are accepted exactly as often as their tables say: each block reads the right state
+    at the right row."""
+    path, ka = chained
+    with open_engine(path, k) as engine:
+        assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
+        prompt = engine.tokenize(PROMPT)
+        out, stats = generate(engine, n=48)
+    tokens = [*prompt, *out]
+    assert all(ka.succ[a] == b for a, b in zip(tokens[len(prompt) - 1 :], out, strict=False))
+    drafts = lambda text, n: ka.drafts(text, min(n, N_HEADS))  # noqa: E731
+    assert (stats.drafted, stats.accepted) == expected_rounds(ka.succ, drafts, prompt, 48, k, stats)
+    assert 0 < stats.accepted < stats.drafted
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_llama_cpp_accepts_what_the_tables_say_too(chained, k: int) -> None:
+    """llama.cpp's own driver (chain_heads) on the same file drafts what the tables say,
+    and so what specdec drafts."""
+    path, ka = chained
+    counts = llama_cpp_counts(path, k, "--spec-type", "draft-mtp")
+    with open_engine(path, k) as engine:
+        prompt = engine.tokenize(PROMPT)
+    assert counts == llama_cpp_rounds(ka.succ, ka.drafts, prompt, 48, k)
+
+
+def test_without_the_targets_states_nothing_is_accepted(chained, monkeypatch) -> None:
+    """The control: with zeros for the target's states, the decoy wins every first step."""
+    without_target_states(monkeypatch)
+    with open_engine(chained[0], 1) as engine:
+        stats = generate(engine, n=32)[1]
+    assert stats.drafted > 0 and stats.accepted == 0
+
+
+@pytest.mark.usefixtures("moderate_costs")
+def test_greedy_equal_to_target_with_the_lookup_and_auto(chained, reference: list[int]) -> None:
+    with open_engine(chained[0], "auto", ngram=None) as engine:
+        out, stats = generate(engine)
+    assert out == reference
+    assert stats.proposed_by["mtp"] > 0
+
+
+def test_greedy_in_four_slots(chained, reference: list[int]) -> None:
+    """Four generations at once, their rounds interleaved: one block's rows of every slot
+    a call."""
+    with open_engine(chained[0], 3, parallel=4) as engine:
+        outs, runs = run_in_slots(engine, [48 - 4 * slot for slot in range(4)])
+    for slot, out in enumerate(outs):
+        assert out == reference[: 48 - 4 * slot]
+    assert sum(g.stats.accepted for g in runs) > 0
+
+
+@contextmanager
+def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
+    """While in it, every draft step of a ChainedHeadDrafter records the round's text,
+    the drafts before the step, and the step's logits."""
+    seen: list[tuple[list[int], list[int], np.ndarray]] = []
+    original_take, original_drafting = ChainedHeadDrafter._take, ChainedHeadDrafter.drafting
+
+    def take(self, draft, logits, *rest):
+        seen.append((self._text, list(draft.tokens), logits.copy()))
+        return original_take(self, draft, logits, *rest)
+
+    def drafting(self, tokens, *args, **kwargs):
+        self._text = list(tokens)
+        return original_drafting(self, tokens, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ChainedHeadDrafter, "_take", take)
+        mp.setattr(ChainedHeadDrafter, "drafting", drafting)
+        yield seen
+
+
+@contextmanager
+def fresh_head(path: Path, text: list[int]) -> Iterator[tuple[HeadContext, np.ndarray]]:
+    """A fresh head context and the states a fresh target gave for `text` (it read all
+    but the last token, as in a round)."""
+    model = Model(path, ModelParams(load_mtp=True))
+    target = Context(model, ContextParams(256, 1, "off"))
+    head = HeadContext(target, 1)
+    try:
+        states = record_hidden_states(target)
+        target.decode(text[:-1], 0)
+        yield head, states.before(0, len(text))
+    finally:
+        head.close()
+        target.close()
+        model.close()
+
+
+def fresh_block_logits(path: Path, text: list[int], drafts: list[int]) -> np.ndarray:
+    """Block len(drafts)'s logits drafting after text + drafts, from fresh contexts: each
+    block before it fed the text and the drafts before its own."""
+    with fresh_head(path, text) as (head, states):
+        read = [states]
+        for block in range(len(drafts) + 1):
+            head.stage_head(block, text + drafts[:block], 0, np.concatenate(read))
+            head.flush()
+            read.append(head.hidden().copy())
+        return head.logits().copy()
+
+
+def test_after_partial_acceptances_each_block_drafts_as_fresh_contexts(chained) -> None:
+    """Every draft step of a greedy generation: the block's logits equal those of fresh
+    contexts fed the accepted text and the drafts before it. Each block's attention reads
+    its own cache (a little): one reading another's, or rows a rollback left, differs."""
+    path = chained[0]
+    with block_logits() as seen, open_engine(path, 3) as engine:
+        stats = generate(engine, n=40)[1]
+    assert 0 < stats.accepted < stats.drafted
+    assert {len(drafts) for _, drafts, _ in seen} == {0, 1, 2}
+    for text, drafts, logits in seen:
+        expected = fresh_block_logits(path, text, drafts)
+        np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_block_that_skips_its_catch_up_is_caught(chained) -> None:
+    """The control for the test above: block 1 drafting over cells only block 0 filled
+    (it read the text's last token alone) gives other logits than fresh contexts."""
+    path, ka = chained
+    with open_engine(path, head=False) as engine:
+        text = [*engine.tokenize(PROMPT), *generate(engine, n=12)[0]]
+    first = int(ka.answers[0, text[-2]])
+    expected = fresh_block_logits(path, text, [first])
+    with fresh_head(path, text) as (head, read):
+        head.stage_head(0, text, 0, read)
+        head.flush()
+        last = len(text) - 1
+        mixed = np.concatenate([read[last:], head.hidden()])
+        head.forget_head(0, last)
+        head.stage_head(0, [text[-1], first], last, mixed)
+        head._shared.head = 1  # decoded by block 1, over block 0's sequence
+        head.flush()
+        wrong = head.logits().copy()
+    assert np.abs(wrong - expected).max() > 1e-3
+
+
+@pytest.fixture(scope="module")
+def spread(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same kind of model, its answers spread over many tokens (for sampling)."""
+    path = tmp_path_factory.mktemp("mimo2-spread") / "mimo2-spread.gguf"
+    write_chained_known_answer(path, spm_vocab(), seed=4, n_heads=N_HEADS, temper=7.0)
+    return path
+
+
+class _MislabelledChain(_MislabelledHead, ChainedHeadDrafter):
+    """The negative control: draws from its q, tells the verifier another."""
+
+
+def test_sampled_chain_matches_target_distribution(spread: Path) -> None:
+    with open_engine(spread, 3, SAMPLING) as engine:
+        assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
+        assert_sampled_like_the_target(engine, _MislabelledChain)
+
+
+def test_info_check_and_a_tree_refused(chained) -> None:
+    path = str(chained[0])
+    info = specdec("info", path)
+    assert info.returncode == 0, info.stderr
+    assert "MTP, 3 block(s) (2, 3, 4), chained, one a draft step," in info.stdout
+    check = specdec("check", "-m", path, "-d", "mtp", "--json")
+    assert check.returncode == 0, check.stderr
+    assert '"heads": 3' in check.stdout
+    tree = specdec("run", "-m", path, "--tree", "8", "-p", "Once", "-n", "4")
+    assert tree.returncode == 2
+    assert "3 chained MTP blocks draft chains; use --tree off" in tree.stderr
+    assert len(tree.stderr.strip().splitlines()) == 1
