@@ -26,6 +26,8 @@ from test_heads import (
     without_target_states,
 )
 
+from specdec_cli.decoding.costmodel import Costs
+from specdec_cli.decoding.draftlength import RoundCosts
 from specdec_cli.decoding.heads import ChainedHeadDrafter
 from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
@@ -214,3 +216,28 @@ def test_info_check_and_a_tree_refused(chained) -> None:
     assert tree.returncode == 2
     assert "3 chained MTP blocks draft chains; use --tree off" in tree.stderr
     assert len(tree.stderr.strip().splitlines()) == 1
+
+
+def test_a_text_near_the_context_size(chained, reference: list[int]) -> None:
+    """Each block's sequence holds the whole text: their cache has room for every block's
+    (a bug once: it had the target's size, shared by three sequences)."""
+    with open_engine(chained[0], 3) as engine:  # a context of 256 tokens
+        n = 256 - len(engine.tokenize(PROMPT)) - 8
+        out, stats = generate(engine, n=n)
+    with open_engine(chained[0], head=False) as engine:
+        assert out == generate(engine, n=n)[0]
+    assert stats.accepted > 0
+
+
+def test_auto_prices_a_round_as_a_call_a_block(chained) -> None:
+    """-k auto: a round's drafting costs a call a block whatever its length (each block
+    catches up every round), and no longer a draft than there are blocks is planned."""
+    costs = Costs(0.01, 0.5, {n: 1.0 + 0.1 * n for n in range(1, 17)})
+    with open_engine(chained[0], "auto") as engine:
+        chained_round = RoundCosts(engine.policy._costs_for("mtp+ngram", costs)[0])
+        assert engine.policy.draft_length("mtp", "auto", costs).k_max == N_HEADS
+    drafting = [
+        chained_round.of(k) - chained_round.of(0) - 0.01 * (costs.verify[k + 1] - costs.verify[1])
+        for k in (1, 3)
+    ]
+    assert drafting == pytest.approx([N_HEADS * 0.005] * 2)

@@ -137,13 +137,20 @@ class Policy:
         return AutoLength(
             settled,
             d.draft_min,
-            d.draft_max,
+            min(d.draft_max, self._blocks_of(kind) or d.draft_max),  # a block a token
             d.p_min,
             uses_confidence=d.p_min > 0.0,
             prior=prior,
             margin=margin,
             first=first,
         )
+
+    def _blocks_of(self, kind: str) -> int:
+        """The chained MTP blocks a drafter of this kind drafts with, a token each (0:
+        it drafts otherwise)."""
+        head = self.models.head
+        chained = kind.partition("+")[0] == "mtp" and head is not None and head.n_heads > 1
+        return head.n_heads if chained else 0  # type: ignore[union-attr]
 
     def fits_tree(self, tree: str) -> bool:
         """Whether a tree setting is no wider than this engine was made for. "auto"
@@ -179,11 +186,14 @@ class Policy:
     def _paid_by(self, kind: str, costs: Costs) -> Costs:
         """`costs` as a drafter of this kind pays them: a lookup costs next to nothing;
         a translated draft model takes as many draft calls a target token as its tokens
-        are shorter than the target's; a block drafter (DFlash) one call a round."""
+        are shorter than the target's; a block drafter (DFlash) one call a round, and
+        chained MTP blocks a call a block (each catches up every round, drafting or not)."""
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
         if kind.partition("+")[0] == "dflash":
             return replace(costs, calls_per_token=0.0, calls_per_round=1.0)
+        if self._blocks_of(kind):
+            return replace(costs, calls_per_token=0.0, calls_per_round=self._blocks_of(kind))
         if self.models.translation is not None:
             return replace(costs, calls_per_token=self.models.translation.calls_per_token)
         return costs

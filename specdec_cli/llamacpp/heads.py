@@ -224,7 +224,8 @@ class HeadContext:
         self.n_heads = max(1, model.n_nextn) if kind == "mtp" else 1
         seqs_per_slot = max(seqs_per_slot, self.n_heads)
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr)
+        # Room for the target's text in each of a slot's sequences that holds it whole.
+        cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr) * self.n_heads
         cparams.n_batch = target.n_batch
         cparams.n_ubatch = min(target.n_batch, llama_cpp.llama_n_ubatch(target.ptr))
         # llama.cpp keeps an output row per sequence, and no more rows than a batch has.
