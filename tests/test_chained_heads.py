@@ -16,6 +16,7 @@ from test_cli_run import specdec
 from test_decode import PROMPT, SAMPLING
 from test_heads import (
     _MislabelledHead,
+    assert_a_long_prompt_drafts,
     assert_sampled_like_the_target,
     expected_rounds,
     generate,
@@ -241,3 +242,10 @@ def test_auto_prices_a_round_as_a_call_a_block(chained) -> None:
         for k in (1, 3)
     ]
     assert drafting == pytest.approx([N_HEADS * 0.005] * 2)
+
+
+def test_a_prompt_longer_than_a_call_holds(chained) -> None:
+    """A prompt the blocks cannot read in one staged call goes in before the round's
+    first call, every block's, a batch at a time."""
+    path = chained[0]
+    assert_a_long_prompt_drafts(path, lambda: open_engine(path, 3, n_batch=32))

@@ -57,6 +57,7 @@ def open_engine(
     parallel: int = 1,
     head: bool | None = None,
     ngram: bool | None = False,
+    n_batch: int = 2048,
 ) -> Engine:
     """The target drafting for itself (head None: as by default, with its head)."""
     return Engine(
@@ -65,6 +66,7 @@ def open_engine(
             head=head,
             ngram=ngram,
             n_ctx=256 * parallel,
+            n_batch=n_batch,
             parallel=parallel,
             threads=1,
             flash_attn="off",
@@ -74,9 +76,9 @@ def open_engine(
     )
 
 
-def generate(engine: Engine, decoder=None, n: int = N_PREDICT, seed: int = 0):
+def generate(engine: Engine, decoder=None, n: int = N_PREDICT, seed: int = 0, text: str = PROMPT):
     stats, out = Stats(), []
-    prompt = engine.tokenize(PROMPT)
+    prompt = engine.tokenize(text)
     decoder = decoder or engine.decoder
     for new in decoder.generate(prompt, n, np.random.default_rng(seed), stats):
         out += new.tokens
@@ -144,6 +146,25 @@ def test_greedy_head_in_four_slots(mtp_model: Path, reference: list[int]) -> Non
     for slot, out in enumerate(outs):
         assert out == reference[: N_PREDICT - 4 * slot]
     assert drafted > 0
+
+
+def test_a_prompt_longer_than_a_call_holds(mtp_model: Path) -> None:
+    """A prompt the head cannot read in one staged call (-b 32 here) goes in before the
+    round's first call, a batch at a time (it raised "the head's batch is full")."""
+    assert_a_long_prompt_drafts(mtp_model, lambda: open_engine(mtp_model, 3, n_batch=32))
+
+
+def assert_a_long_prompt_drafts(target: Path, drafting: Callable[[], Engine]) -> None:
+    """Greedy from a prompt of more than two batches of 32, the target alone and with
+    the `drafting` engine (-b 32): the same text, and drafts accepted."""
+    long_prompt = " ".join([PROMPT] * 24)
+    with open_engine(target, head=False, n_batch=32) as engine:
+        assert len(engine.tokenize(long_prompt)) > 2 * 32
+        reference = generate(engine, n=24, text=long_prompt)[0]
+    with drafting() as engine:
+        out, stats = generate(engine, n=24, text=long_prompt)
+    assert out == reference
+    assert stats.accepted > 0
 
 
 def without_target_states(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -507,6 +528,11 @@ def open_with_head_file(
             target=target, draft=head, drafting=DraftOptions(k=str(k), tree=tree), **settings
         )
     )
+
+
+def test_eagle3_reads_a_prompt_longer_than_a_call_holds(eagle3_pair) -> None:
+    target, head, _ = eagle3_pair
+    assert_a_long_prompt_drafts(target, lambda: open_with_head_file(target, head, 3, n_batch=32))
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -72,7 +72,10 @@ class HeadDrafter(ModelDrafter):
         # in the verification), but whose state before it the last verification gave.
         n_keep = head.rewind(min(common_prefix(head.tokens, read), head.fed, len(read) - 1))
         states = head.states_for(self.states.before(n_keep + head.shift, len(tokens)))
-        head.stage(read[n_keep:], hidden=states)
+        early = max(0, len(read) - n_keep - head.n_batch)  # what a call cannot hold (a prompt)
+        if early:
+            head.catch_up(read[n_keep : n_keep + early], states[:early])
+        head.stage(read[n_keep + early :], hidden=states[early:])
         head.fed = len(read)
         self.states.forget_before(last)
         yield
@@ -233,10 +236,17 @@ class ChainedHeadDrafter(HeadDrafter):
         read, states = tokens[n_keep:], self.states.before(n_keep, len(tokens))
         self.states.forget_before(last)
         head.tokens = list(tokens)  # what every block holds after this round, drafts aside
+        for block in range(head.n_heads):
+            head.forget_head(block, n_keep)  # and its draft rows of last round
+        # What a call cannot hold beside the drafts (a prompt): every block's, now.
+        early = max(0, len(read) + head.n_heads - head.n_batch)
+        if early:
+            for block in range(head.n_heads):
+                head.catch_up_head(block, read[:early], n_keep, states[:early])
+            n_keep, read, states = n_keep + early, read[early:], states[early:]
         draft = Draft(source=self.name)
         own: list[np.ndarray] = []  # each drafting block's state at its last row
         for block in range(head.n_heads):
-            head.forget_head(block, n_keep)  # and its draft rows of last round
             drafting = len(own) == block < k
             rows, hidden = (read + draft.tokens, [states, *own]) if drafting else (read, [states])
             head.stage_head(block, rows, n_keep, np.concatenate(hidden))

@@ -394,6 +394,19 @@ class HeadContext:
         seqs = [head] * len(tokens)
         self._shared.stage(self, tokens, range(pos, pos + len(tokens)), hidden, seqs, head=head)
 
+    def catch_up(self, tokens: Sequence[int], hidden: np.ndarray) -> None:
+        """Decode `tokens` after the sequence now, each beside its row of `hidden`, without
+        logits (see _HeadShared.decode_now): a text longer than a staged call holds."""
+        pos, hidden = len(self.tokens), np.ascontiguousarray(hidden, np.float32)
+        self._shared.decode_now(self, tokens, range(pos, pos + len(tokens)), hidden)
+        self.tokens.extend(tokens)
+
+    def catch_up_head(self, head: int, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
+        """Chained MTP blocks: catch_up for block `head`, in its own sequence, from `pos`."""
+        hidden = np.ascontiguousarray(hidden, np.float32)
+        positions, seqs = range(pos, pos + len(tokens)), [head] * len(tokens)
+        self._shared.decode_now(self, tokens, positions, hidden, seqs, head)
+
     def forget_head(self, head: int, first: int) -> None:
         """Forget block `head`'s rows (stage_head) from position `first` on."""
         self._forget(self.seq + head, first)
@@ -531,24 +544,75 @@ class _HeadShared:
         if self.n_staged and head != self.head:
             raise RuntimeError(f"rows for MTP blocks {self.head} and {head} in one call")
         self.head = head
-        batch, place = self.batch, self._pos
-        last = len(tokens) - 1
+        logits_from = 0 if every_row or slot.logits_every_row else len(tokens) - 1
+        slot._first = self._add(self.batch, slot, tokens, positions, hidden, seqs, logits_from)
+        slot._out = slot._first + len(tokens) - 1
+        self.staged.append(slot)
+        self.n_staged += len(tokens)
+
+    def _add(
+        self,
+        batch: llama_cpp.llama_batch_ext_p,
+        slot: HeadContext,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        hidden: np.ndarray | None,
+        seqs: Sequence[int] | None,
+        logits_from: int,
+    ) -> int:
+        """Add token rows to `batch` (see stage), the rows from `logits_from` on with
+        logits; return the first one's batch place."""
+        place, first = self._pos, -1
         for i, token in enumerate(tokens):
             seq = slot.seq if seqs is None else slot.seq + seqs[i]
             idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
-            if i == 0:
-                slot._first = idx
+            first = idx if i == 0 else first
             place[0] = positions[i]
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
             if hidden is not None:
                 llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
-            if i == last or every_row or slot.logits_every_row:
+            if i >= logits_from:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-            slot._out = idx
-        self.staged.append(slot)
-        self.n_staged += len(tokens)
+        return first
+
+    def decode_now(
+        self,
+        slot: HeadContext,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        hidden: np.ndarray,
+        seqs: Sequence[int] | None = None,
+        head: int = 0,
+    ) -> None:
+        """Decode rows now, without logits, in a batch apart (a ubatch a call), as
+        llama.cpp's driver catches a head up: a text longer than a staged call holds.
+        The staged rows wait for the next flush. Only before a round's first flush: the
+        slots' outputs of a flush are read after it, and this call's would replace them."""
+        self._use_head(head)
+        batch = self.encoder_batch
+        t0 = time.perf_counter()
+        for start in range(0, len(tokens), self.n_ubatch):
+            stop = min(start + self.n_ubatch, len(tokens))
+            rows = slice(start, stop)
+            seqs_here = seqs[rows] if seqs is not None else None
+            self._add(
+                batch, slot, tokens[rows], positions[rows], hidden[rows], seqs_here, stop - start
+            )
+            status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
+            llama_cpp.llama_batch_ext_clear(batch)
+            if status != 0:
+                raise RuntimeError(f"the drafting head's catch-up failed with status {status}")
+            slot.decode_calls += 1
+        llama_cpp.llama_synchronize(self.ptr)
+        slot.decode_seconds += time.perf_counter() - t0
+
+    def _use_head(self, head: int) -> None:
+        """Decode the next call with MTP block `head` (chained blocks)."""
+        if head != self._head_set:
+            llama_cpp_ext.llama_set_nextn_layer_offset(self.ptr, head)
+            self._head_set = head
 
     def embed_rows(
         self, seq: int, pos: int, features: np.ndarray, out: np.ndarray | None = None
@@ -589,9 +653,7 @@ class _HeadShared:
         staged, n = self.staged, self.n_staged
         if not n:
             return 0
-        if self.head != self._head_set:
-            llama_cpp_ext.llama_set_nextn_layer_offset(self.ptr, self.head)
-            self._head_set = self.head
+        self._use_head(self.head)
         t0 = time.perf_counter()
         status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, self.batch)
         llama_cpp.llama_synchronize(self.ptr)
