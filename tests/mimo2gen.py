@@ -102,6 +102,7 @@ def write_chained_known_answer(
     n_heads: int = 3,
     good_fraction: float = 0.75,
     attention_scale: float = 0.005,
+    second: float = 0.0,
     temper: float = 0.0,
     n_layer: int = 2,
     n_ff: int = 64,
@@ -122,10 +123,12 @@ def write_chained_known_answer(
       `attention_scale`): too little to change an answer, enough that its logits follow
       what that cache holds, so a head reading another's cache is caught.
 
-    With `temper`, every answer's logit is that much over standard normal noise on the
-    text pieces, the target's and the heads': their answers spread (for sampling), and
-    the tables no longer hold. `n_layer` and `n_ff` make the trunk as costly as a real
-    model's, for benchmarks (each MTP block as wide as a layer of it).
+    With `second`, a head's answer for a bad token has the right one second (at that
+    weight: a tree's second choice). With `temper`, every answer's logit is that much
+    over standard normal noise on the text pieces, the target's and the heads': their
+    answers spread (for sampling), and the tables no longer hold. `n_layer` and `n_ff`
+    make the trunk as costly as a real model's, for benchmarks (each MTP block as wide
+    as a layer of it).
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
@@ -153,6 +156,7 @@ def write_chained_known_answer(
         layer = n_layer + head
         logits = np.zeros((n_vocab, n_embd), np.float32)
         logits[answers[head], ids] += 1.0
+        logits[succ[succ], ids] += second * ~good[head]  # the right answer, second
         logits[succ[succ], half + ids] += 0.5
         if temper:  # a state after the head's norm: each of its two tokens at sqrt(n_embd / 2)
             logits *= temper / np.sqrt(n_embd / 2)

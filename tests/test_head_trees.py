@@ -17,9 +17,16 @@ from ggufgen import (
     write_dflash_known_answer,
     write_eagle3_known_answer,
 )
+from mimo2gen import write_chained_known_answer
 from test_cli_run import specdec
 from test_decode import PROMPT, SAMPLING, first_tokens
-from test_heads import assert_same_distribution, generate, open_with_head_file, run_in_slots
+from test_heads import (
+    assert_same_distribution,
+    generate,
+    open_engine,
+    open_with_head_file,
+    run_in_slots,
+)
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.heads import HeadDrafter
@@ -67,6 +74,24 @@ def test_greedy_eagle3_tree_equals_target(
     assert stats.tree == tree
     assert stats.accepted_beside > 0  # the second choices were drafted, and taken
     assert stats.mean_k > min(k, stats.accepted_depth + 1)  # wider than deep
+
+
+@pytest.mark.parametrize("tree", ["auto", "16"])
+def test_greedy_mtp_tree_on_an_attention_target_equals_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tree: str
+) -> None:
+    """An MTP head on a target without recurrent layers (a MiMo-V2 with one block) grows
+    trees: the text is the target's alone, and second choices were taken."""
+    pin_costs(monkeypatch, FLAT_COSTS)
+    path = tmp_path / "mimo2-one-block.gguf"
+    write_chained_known_answer(path, spm_vocab(), seed=3, n_heads=1, second=0.8)
+    with open_engine(path, head=False) as engine:
+        reference = generate(engine, n=N_PREDICT)[0]
+    with open_engine(path, 3, tree=tree) as engine:
+        assert type(engine.decoder.drafter) is HeadDrafter
+        out, stats = generate(engine, n=N_PREDICT)
+    assert out == reference
+    assert stats.accepted_beside > 0
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])

@@ -58,6 +58,7 @@ def open_engine(
     head: bool | None = None,
     ngram: bool | None = False,
     n_batch: int = 2048,
+    tree: str = "off",
 ) -> Engine:
     """The target drafting for itself (head None: as by default, with its head)."""
     return Engine(
@@ -71,7 +72,7 @@ def open_engine(
             threads=1,
             flash_attn="off",
             sampling=sampling,
-            drafting=DraftOptions(k=str(k), tree="off"),
+            drafting=DraftOptions(k=str(k), tree=tree),
         )
     )
 
