@@ -18,6 +18,7 @@ from test_heads import (
     _MislabelledHead,
     assert_a_long_prompt_drafts,
     assert_sampled_like_the_target,
+    assert_served_in_two_slots,
     expected_rounds,
     generate,
     llama_cpp_counts,
@@ -249,3 +250,9 @@ def test_a_prompt_longer_than_a_call_holds(chained) -> None:
     first call, every block's, a batch at a time."""
     path = chained[0]
     assert_a_long_prompt_drafts(path, lambda: open_engine(path, 3, n_batch=32))
+
+
+def test_serve_drafts_with_the_blocks_in_two_slots(chained, reference, tmp_path: Path) -> None:
+    """Two requests at once through `specdec serve -np 2`: one block's rows of both slots
+    a call; each text is the target's own."""
+    assert_served_in_two_slots(tmp_path, chained[0], reference)

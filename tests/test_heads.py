@@ -634,8 +634,14 @@ def test_serve_drafts_with_the_head_in_two_slots(
 ) -> None:
     """Two requests at once through `specdec serve -np 2` (one head context for both
     slots): each is the target's own greedy text, and the head's drafts were accepted."""
-    texts, accepted = serve_two_at_once(tmp_path, "-m", str(mtp_model))
-    with open_engine(mtp_model, head=False) as engine:
+    assert_served_in_two_slots(tmp_path, mtp_model, reference)
+
+
+def assert_served_in_two_slots(tmp_path: Path, model: Path, reference: list[int]) -> None:
+    """serve_two_at_once with the model's own head: both texts are the target's greedy
+    one (`reference`'s first 24 tokens), and drafts were accepted."""
+    texts, accepted = serve_two_at_once(tmp_path, "-m", str(model))
+    with open_engine(model, head=False) as engine:
         expected = b"".join(engine.model.piece(t) for t in reference[:24]).decode()
     assert texts == [expected, expected]
     assert accepted > 0
