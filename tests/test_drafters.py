@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specdec_cli.decoding.drafters import (
     Draft,
@@ -12,6 +13,7 @@ from specdec_cli.decoding.drafters import (
     TextMemory,
     propose,
 )
+from specdec_cli.llamacpp.llama import common_prefix
 
 RNG = np.random.default_rng(0)
 
@@ -167,3 +169,15 @@ def test_a_lookup_with_a_memory_finds_an_earlier_generations_text() -> None:
     for start in range(100, 160, 20):  # 60 more tokens: the first text is forgotten
         memory.add(list(range(start, start + 20)))
     assert memory.find((2, 3)) is None and memory.find((121, 122)) is not None
+
+
+@pytest.mark.parametrize("shared", [0, 1, 255, 256, 257, 600])
+def test_common_prefix_counts_the_shared_start(shared: int) -> None:
+    """Slices compared a chunk at a time count the same as one token at a time, at and
+    around the chunk's edges, and for other kinds of sequences than lists."""
+    a = list(range(700))
+    b = [*a[:shared], -1, *a[shared + 1 :]]
+    assert common_prefix(a, b) == shared
+    assert common_prefix(a, b[:shared]) == shared
+    assert common_prefix(tuple(a), np.array(b)) == shared
+    assert common_prefix(a, a) == len(a)

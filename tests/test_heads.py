@@ -281,16 +281,18 @@ def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
         assert_sampled_like_the_target(engine, _MislabelledHead)
 
 
-def assert_sampled_like_the_target(engine: Engine, mislabelled: type[HeadDrafter]) -> None:
-    """First tokens of seeded runs of the engine's head against target-only, by
-    chi-square; then the negative control: the head replaced by `mislabelled` (drawing
-    from its q, telling the verifier another), which must be told apart."""
-    baseline = first_tokens(engine, range(N_RUNS), engine.make_decoder(None, "1"))
-    speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS))
+def assert_sampled_like_the_target(
+    engine: Engine, mislabelled: type[HeadDrafter], runs: int = N_RUNS
+) -> None:
+    """First tokens of `runs` seeded runs of the engine's head against target-only, by
+    chi-square; then the negative control: the head replaced by `mislabelled` (drafting
+    otherwise than the q it tells the verifier), which must be told apart."""
+    baseline = first_tokens(engine, range(runs), engine.make_decoder(None, "1"))
+    speculative = first_tokens(engine, range(runs, 2 * runs))
     decoder = engine.decoder
     head = decoder.drafter
     decoder.drafter = mislabelled(head.head, head.states, head.sampling)
-    broken = first_tokens(engine, range(2 * N_RUNS, 3 * N_RUNS))
+    broken = first_tokens(engine, range(2 * runs, 3 * runs))
     assert_same_distribution(baseline, speculative, broken)
 
 

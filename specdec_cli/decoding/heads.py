@@ -235,7 +235,7 @@ class ChainedHeadDrafter(HeadDrafter):
         n_keep = min(common_prefix(head.tokens, tokens), last)
         read, states = tokens[n_keep:], self.states.before(n_keep, len(tokens))
         self.states.forget_before(last)
-        head.tokens = list(tokens)  # what every block holds after this round, drafts aside
+        head.tokens[n_keep:] = read  # what every block holds after this round, drafts aside
         for block in range(head.n_heads):
             head.forget_head(block, n_keep)  # and its draft rows of last round
         # What a call cannot hold beside the drafts (a prompt): every block's, now.

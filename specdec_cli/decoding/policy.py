@@ -192,8 +192,8 @@ class Policy:
             return replace(costs, draft_over_target=0.0)
         if kind.partition("+")[0] == "dflash":
             return replace(costs, calls_per_token=0.0, calls_per_round=1.0)
-        if self._blocks_of(kind):
-            return replace(costs, calls_per_token=0.0, calls_per_round=self._blocks_of(kind))
+        if blocks := self._blocks_of(kind):
+            return replace(costs, calls_per_token=0.0, calls_per_round=blocks)
         if self.models.translation is not None:
             return replace(costs, calls_per_token=self.models.translation.calls_per_token)
         return costs

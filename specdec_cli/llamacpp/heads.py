@@ -390,9 +390,7 @@ class HeadContext:
         sequence of this slot, at positions pos, pos + 1, ..., each beside its row of
         `hidden`; the last gives logits and a hidden state. A flush decodes one block's
         rows: every slot stages the same block between two flushes."""
-        hidden = np.ascontiguousarray(hidden, np.float32)
-        seqs = [head] * len(tokens)
-        self._shared.stage(self, tokens, range(pos, pos + len(tokens)), hidden, seqs, head=head)
+        self._shared.stage(self, *_block_rows(head, tokens, pos, hidden), head=head)
 
     def catch_up(self, tokens: Sequence[int], hidden: np.ndarray) -> None:
         """Decode `tokens` after the sequence now, each beside its row of `hidden`, without
@@ -403,9 +401,7 @@ class HeadContext:
 
     def catch_up_head(self, head: int, tokens: Sequence[int], pos: int, hidden: np.ndarray) -> None:
         """Chained MTP blocks: catch_up for block `head`, in its own sequence, from `pos`."""
-        hidden = np.ascontiguousarray(hidden, np.float32)
-        positions, seqs = range(pos, pos + len(tokens)), [head] * len(tokens)
-        self._shared.decode_now(self, tokens, positions, hidden, seqs, head)
+        self._shared.decode_now(self, *_block_rows(head, tokens, pos, hidden), head=head)
 
     def forget_head(self, head: int, first: int) -> None:
         """Forget block `head`'s rows (stage_head) from position `first` on."""
@@ -503,6 +499,15 @@ class HeadContext:
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
 
 
+def _block_rows(
+    head: int, tokens: Sequence[int], pos: int, hidden: np.ndarray
+) -> tuple[Sequence[int], range, np.ndarray, list[int]]:
+    """Rows for chained MTP block `head` in its own sequence of a slot: tokens,
+    positions from `pos`, their states, and their sequences (counted from the slot's)."""
+    hidden = np.ascontiguousarray(hidden, np.float32)
+    return tokens, range(pos, pos + len(tokens)), hidden, [head] * len(tokens)
+
+
 class _HeadShared:
     """What a head context's slots share: the llama.cpp context, and the extended batch
     of the next call, with each slot's rows."""
@@ -562,20 +567,19 @@ class _HeadShared:
     ) -> int:
         """Add token rows to `batch` (see stage), the rows from `logits_from` on with
         logits; return the first one's batch place."""
-        place, first = self._pos, -1
+        place, idx = self._pos, -1
         for i, token in enumerate(tokens):
             seq = slot.seq if seqs is None else slot.seq + seqs[i]
             idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
-            first = idx if i == 0 else first
             place[0] = positions[i]
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
             if hidden is not None:
                 llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
             if i >= logits_from:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-        return first
+        return idx - len(tokens) + 1  # a batch numbers its rows in order
 
     def decode_now(
         self,
