@@ -176,6 +176,10 @@ def summary(report: dict) -> dict[str, float]:
         "speedup": run["speedup"],
         "tokens_per_pass": run["tokens_per_pass"],
         "acceptance": run["acceptance_rate"],
+        "k_mean": run["k_mean"],
+        # Of the speculative time: undoing rejected drafts, and the rest outside the calls.
+        "rollback_share": run["time_share"]["rollback"],
+        "other_share": run["time_share"]["other"],
     }
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -559,17 +560,17 @@ def test_only_invariant_rounds_are_timed_for_auto(
     and coupled texts are the same whatever k, so there it may."""
     with open_engine(target_model, draft_model, "auto", sampling) as engine:
         decoder = engine.make_decoder("model", "auto")
-        seen: list[tuple[float | None, float | None]] = []
+        seen: list[tuple[float | None, ...]] = []
         observe = decoder.length.observe
 
-        def record(draft: Draft, accepted: int, *seconds: float | None, **kw: int) -> None:
-            seen.append(seconds)
+        def record(draft: Draft, accepted: int, *seconds: float | None, **kw: Any) -> None:
+            seen.append((*seconds, kw["rollback_seconds"]))
             observe(draft, accepted, *seconds, **kw)
 
         decoder.length.observe = record  # type: ignore[method-assign]
         generate(engine, 24, decoder=decoder)
     assert seen
-    assert all(len(seconds) == 3 for seconds in seen)  # drafting, verifying, the rest
+    assert all(len(seconds) == 4 for seconds in seen)  # drafting, verifying, the rest, undoing
     assert all((None not in seconds) == timed for seconds in seen)
 
 

@@ -89,6 +89,34 @@ def test_python_time_per_round_favours_longer_drafts() -> None:
     assert slow == 3  # two target tokens' worth of Python a round: one more token pays
 
 
+def test_drafting_rounds_pay_their_rollback_alone() -> None:
+    """Making a draft undoable and undoing it (a recurrent state's copies: over RPC, a
+    round trip each) only drafting rounds pay. Taken for time that every round pays
+    (Python's), -k auto drafted on where that made it slower than the target alone."""
+    costs = Costs(0.01, 0.05, {n: 1.0 + 0.1 * (n - 1) for n in range(1, 18)})
+
+    def drafting_share(other_seconds: float, rollback_seconds: float) -> float:
+        policy = AutoLength(costs, 0, 8, uses_confidence=False)
+        chosen = []
+        for r in range(160):
+            k = policy.choose(100)
+            chosen.append(k)
+            n = 0
+            while n < k and (n + r) % 4 != 0:
+                n += 1  # three in four accepted
+            t = costs.target_seconds
+            seconds = (k * costs.draft_over_target * t, costs.verify[k + 1] * t)
+            policy.observe(
+                draft_of(k), n, *seconds, other_seconds, rollback_seconds=rollback_seconds
+            )
+        late = chosen[80:]
+        return sum(k > 0 for k in late) / len(late)
+
+    assert drafting_share(0.0, 0.0) == 1.0
+    assert drafting_share(0.03, 0.0) == 1.0  # three target tokens a round, drafting or not
+    assert drafting_share(0.0, 0.03) < 0.2  # three a drafting round: probes only
+
+
 def test_auto_stops_drafting_a_useless_draft_but_probes() -> None:
     costly = Costs(0.01, 0.5, {n: 1.0 + 0.5 * (n - 1) for n in range(1, 18)})
     policy = AutoLength(costly, 0, 8, uses_confidence=False)

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
@@ -29,6 +30,7 @@ from scipy.stats import chi2_contingency
 from test_cli_run import specdec
 from test_decode import N_FIRST, PROMPT, SAMPLING, contingency, first_tokens
 
+from specdec_cli.commands.cli import main
 from specdec_cli.decoding.decode import step
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.heads import HeadDrafter
@@ -441,6 +443,35 @@ def test_an_impossible_head_is_refused_in_one_line(
     assert result.returncode == 2
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("k", ["3", "2,auto"])
+def test_bench_verifies_within_the_recurrent_snapshots(
+    mtp_model: Path, k: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`specdec bench`'s rounds on a hybrid target are undone by llama.cpp's snapshots,
+    as `run`'s are. Its engine was made for -k 1: each longer draft first copied the whole
+    recurrent state, outside the decode calls (over RPC, tens of milliseconds a round,
+    and -k auto took that for the price of Python)."""
+    copies: list[tuple[int, int]] = []  # a round's (draft length, snapshots) that copied
+    checkpoint = Context.checkpoint
+
+    def spy(self: Context, n_ahead: int | None = None) -> None:
+        if n_ahead is not None and n_ahead > self.n_rs_seq:
+            copies.append((n_ahead, self.n_rs_seq))
+        checkpoint(self, n_ahead)
+
+    monkeypatch.setattr(Context, "checkpoint", spy)
+    out = tmp_path / "bench.json"
+    args = ["-m", str(mtp_model), "-d", "mtp", "--no-ngram", "-k", k, "-n", "24", "--repeat", "1"]
+    monkeypatch.setattr(sys, "argv", ["specdec", "bench", *args, "-fa", "off", "--json", str(out)])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    assert exited.value.code == 0
+    runs = json.loads(out.read_text())["runs"]
+    drafted = [int(n) for run in runs for n in run["k_histogram"]]
+    assert max(drafted) > 1  # rounds that drafted past -k 1 (and were spied on)
+    assert not copies
 
 
 def test_a_head_on_a_hybrid_target_refuses_a_tree(mtp_model: Path) -> None:

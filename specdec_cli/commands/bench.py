@@ -234,6 +234,7 @@ class BenchReport:
             "time_share": {
                 "draft": round(t.draft_seconds / seconds, 4),
                 "verify": round(t.verify_seconds / seconds, 4),
+                "rollback": round(t.rollback_seconds / seconds, 4),
                 "other": round(t.other_seconds / seconds, 4),
             },
             # Over all runs: our wall clock, and llama.cpp's own clock of its decode calls
@@ -266,6 +267,16 @@ def widest_tree(trees: Sequence[str]) -> str:
     """The --tree an engine must be made for to run all of `trees`: the widest, "auto"
     where it is as wide (it also falls back to chains for recurrent models)."""
     return max(trees, key=lambda tree: (parse_tree(tree) or 0, tree == "auto"), default="off")
+
+
+def longest_k(ks: Sequence[str]) -> str:
+    """The -k an engine must be made for to run all of `ks`: the longest ("auto" where
+    one is auto: up to --draft-max). A recurrent target's snapshots then cover every
+    variant's rounds, as they cover `run`'s: made for less, the engine copied the whole
+    recurrent state before each longer draft, outside the decode calls (over RPC, tens
+    of milliseconds a round)."""
+    lengths = [parse_k(k) for k in ks]
+    return "auto" if None in lengths else str(max((n for n in lengths if n), default=1))
 
 
 def environment() -> dict[str, object]:

@@ -21,6 +21,7 @@ from specdec_cli.commands.bench import (
     BenchReport,
     Variant,
     fit_context,
+    longest_k,
     run_bench,
     variants,
     widest_tree,
@@ -474,7 +475,9 @@ def bench(
     )
     flags = shared_options(locals())
     flags["temp"] = first_given(temp, BenchOptions.temp)
-    options, _ = engine_options(model, drafts, config, k="1", tree=widest_tree(trees), **flags)
+    options, _ = engine_options(
+        model, drafts, config, k=longest_k(ks), tree=widest_tree(trees), **flags
+    )
     options = replace(options, grammar=constraint)
     if engine_flags["ctx_size"] is None:
         widest = max(options.drafting.draft_max, parse_tree(options.drafting.tree) or 0)

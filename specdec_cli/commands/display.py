@@ -226,7 +226,8 @@ def bench_rows(figures: dict) -> list[list[str]]:
                 f"{d['tokens_per_pass']:.2f}",
                 f"{share['draft']:.0%}",
                 f"{share['verify']:.0%}",
-                f"{share['other']:.0%}",
+                # Outside the decode calls, undoing rejected drafts included.
+                f"{share['other'] + share['rollback']:.0%}",
                 f"{d['theoretical_speedup']:.2f}x" if speculative else "-",
                 f"{d['efficiency']:.0%}" if speculative else "-",
             ]

@@ -504,6 +504,7 @@ class Generation:
         """The prompt's time ends, the generation's begins."""
         decoder, stats = self.decoder, self.stats
         self._verify_before = decoder.target.decode_seconds
+        self._rollback_before = decoder.target.rollback_seconds
         self._draft_before = _decode_seconds(self._draft_ctx)
         self._draft_calls_before = self._draft_ctx.decode_calls if self._draft_ctx else 0
         self._llama_before = sum(c.perf_seconds() for c in self._contexts)
@@ -603,6 +604,7 @@ class Generation:
         if self.constraint is not None:
             draft = self._under_grammar(draft)
         self._verify_start = target.decode_seconds
+        self._rollback_start = target.rollback_seconds
         target.checkpoint(len(draft.tokens))  # rejected drafts must not stay
         # One pass over the unseen tokens and every draft token: row 0 of its
         # logits follows the last unseen token, row j + 1 draft token j.
@@ -654,10 +656,12 @@ class Generation:
         if self.sampling.draft_invariant and timed:  # the same text whatever k: follow the clock
             draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_start
             verify_seconds: float | None = target.decode_seconds - self._verify_start
-            other_seconds = self._round_end - round_start - draft_seconds - verify_seconds
+            rollback_seconds: float | None = target.rollback_seconds - self._rollback_start
+            spent = draft_seconds + verify_seconds + rollback_seconds
+            other_seconds = self._round_end - round_start - spent
         else:  # k decides which random numbers go where: a seed must reproduce (and a
             # shared decode call's time is no one round's)
-            draft_seconds = verify_seconds = other_seconds = None
+            draft_seconds = verify_seconds = rollback_seconds = other_seconds = None
         if plan.chosen and draft.source != FORCED:
             plan.length.observe(
                 draft,
@@ -667,6 +671,7 @@ class Generation:
                 other_seconds,
                 beside=beside,
                 chances=chances or (),
+                rollback_seconds=rollback_seconds,
             )
             if decoder.tree:
                 decoder.tree.observe(draft, path)
@@ -732,6 +737,7 @@ class Generation:
         stats, target = self.stats, self.decoder.target
         stats.seconds = time.perf_counter() - self._t_gen
         stats.verify_seconds = target.decode_seconds - self._verify_before
+        stats.rollback_seconds = target.rollback_seconds - self._rollback_before
         stats.llama_seconds = sum(c.perf_seconds() for c in self._contexts) - self._llama_before
         stats.draft_seconds = _decode_seconds(self._draft_ctx) - self._draft_before
         if self._draft_ctx:

@@ -46,10 +46,14 @@ class DraftLength(Protocol):
         other_seconds: float | None = None,
         beside: int = 0,
         chances: Sequence[float] = (),
+        rollback_seconds: float | None = None,
     ) -> None:
         """`accepted`: the draft tokens the target took; `beside`: how many of them lie
         on a tree's branches, past where its path left the primary path; `chances`:
-        of a sampled chain, each tested token's chance of acceptance (sampling.overlap)."""
+        of a sampled chain, each tested token's chance of acceptance (sampling.overlap);
+        `rollback_seconds`: the time the target took to make the round's tokens undoable
+        and to undo the rejected ones (Context.rollback_seconds), apart from
+        `other_seconds` (the rest of the round's time outside the decode calls)."""
         ...
 
 
@@ -80,6 +84,7 @@ class FixedLength:
         other_seconds: float | None = None,
         beside: int = 0,
         chances: Sequence[float] = (),
+        rollback_seconds: float | None = None,
     ) -> None:
         pass
 
@@ -186,7 +191,12 @@ class RoundCosts:
     side by side (learning them one size at a time would mix in the machine's drift);
     the seconds of a target token and of a draft call follow the machine as it runs,
     and so does a round's time outside llama.cpp (Python's), the same for any k, which
-    favours longer drafts (left out, short ones looked cheaper than they ran).
+    favours longer drafts (left out, short ones looked cheaper than they ran). So does
+    the time the target takes to make a draft undoable and to undo its rejected tokens,
+    which only drafting rounds pay: next to nothing for an attention cache, but where a
+    recurrent state must be copied (a family without llama.cpp's snapshots, a draft
+    longer than they cover) the copies run where its layers do, over RPC a round trip
+    each.
     """
 
     def __init__(self, costs: Costs) -> None:
@@ -198,6 +208,8 @@ class RoundCosts:
         self.switch = costs.switch
         self.other_seconds = 0.0
         self._timed_rounds = 0
+        self.rollback_seconds = 0.0  # a drafting round's
+        self._rollbacks = 0
         self._last_batch = -1  # the last verification's batch size
 
     def of(self, k: int, survive: float = 0.0) -> float:
@@ -205,9 +217,11 @@ class RoundCosts:
         previous round's draft was accepted whole with probability `survive`: then the
         draft model has two tokens to catch up on instead of one (each a target token's
         worth of calls, for a draft of another vocabulary)."""
-        calls = (k + survive) * self.calls_per_token + self.calls_per_round if k else 0.0
-        drafting = calls * self.draft_seconds
-        return drafting + self.verify[k + 1] * self.target_seconds + self.other_seconds
+        verifying = self.verify[k + 1] * self.target_seconds + self.other_seconds
+        if not k:
+            return verifying
+        calls = (k + survive) * self.calls_per_token + self.calls_per_round
+        return calls * self.draft_seconds + self.rollback_seconds + verifying
 
     def modelled(self, calls: int, batch: int) -> tuple[float, float]:
         """Drafting's and verification's seconds for a round that was not timed."""
@@ -220,10 +234,13 @@ class RoundCosts:
         seconds: tuple[float, float],
         other_seconds: float | None,
         rate: float,
+        rollback_seconds: float | None = None,
     ) -> None:
         """A round's draft calls, batch size, and drafting's and verification's seconds;
         `rate`: how fast acceptance is learnt (costs learn at a tenth of it: they drift
-        slowly, with the machine, and one noisy round must not move them much)."""
+        slowly, with the machine, and one noisy round must not move them much);
+        `rollback_seconds`: making its tokens undoable and undoing the rejected ones
+        took that (None: it drafted nothing, or was not timed)."""
         draft_seconds, verify_seconds = seconds
         slow = rate / 10
         if calls:
@@ -232,11 +249,15 @@ class RoundCosts:
             per_token = verify_seconds / verify_cost(self.verify, batch)
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_batch = batch
+        # Plain means at first: a generation is too short to wait for a slow one.
         if other_seconds is not None:
-            # A plain mean at first: a generation is too short to wait for a slow one.
             self._timed_rounds += 1
             step = max(rate, 1.0 / self._timed_rounds)
             self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
+        if rollback_seconds is not None:
+            self._rollbacks += 1
+            step = max(rate, 1.0 / self._rollbacks)
+            self.rollback_seconds += step * (rollback_seconds - self.rollback_seconds)
 
 
 def expected_rounds(acceptance: list[float]) -> Iterator[tuple[int, tuple[float, float]]]:
@@ -513,6 +534,7 @@ class AutoLength:
         other_seconds: float | None = None,
         beside: int = 0,
         chances: Sequence[float] = (),
+        rollback_seconds: float | None = None,
     ) -> None:
         # A tree's depth is the chain length it stands for; its batch is all its nodes.
         n, batch = draft.depth, len(draft.tokens) + 1
@@ -521,7 +543,8 @@ class AutoLength:
         else:
             seconds = (draft_seconds, verify_seconds)
         self.rate += self.learn * ((accepted + 1) / sum(seconds) - self.rate)
-        self.costs.learn(draft.calls, batch, seconds, other_seconds, self.learn)
+        rollback = rollback_seconds if n else None
+        self.costs.learn(draft.calls, batch, seconds, other_seconds, self.learn, rollback)
         # The estimates are the chain's: a tree's path that leaves its primary path
         # counts as the chain's miss there. Counted whole, the tree's rescues made every
         # position look surer and k deeper, and a tree's nodes go to width instead.

@@ -53,6 +53,7 @@ class Stats:
     seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rollback_seconds: float = 0.0  # undoing rejected drafts (Context.rollback_seconds)
     draft_calls: int = 0
     llama_seconds: float = 0.0  # llama.cpp's own clock of the same decode calls
     stop_reason: str = ""
@@ -120,7 +121,8 @@ class Stats:
 
     @property
     def other_seconds(self) -> float:
-        return max(0.0, self.seconds - self.draft_seconds - self.verify_seconds)
+        spent = self.draft_seconds + self.verify_seconds + self.rollback_seconds
+        return max(0.0, self.seconds - spent)
 
     @property
     def mean_k(self) -> float:
@@ -143,6 +145,7 @@ class Stats:
             "time_split": {
                 "draft": round(self.draft_seconds, 4),
                 "verify": round(self.verify_seconds, 4),
+                "rollback": round(self.rollback_seconds, 4),
                 "other": round(self.other_seconds, 4),
                 "llama_cpp_clock": round(self.llama_seconds, 4),
             },

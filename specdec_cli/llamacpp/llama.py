@@ -274,7 +274,10 @@ class Context:
     RWKV, the recurrent layers of hybrids) cannot be cut back: `checkpoint` saves it
     first, and `trim` restores that copy and evaluates again the tokens kept after it.
     Time spent inside llama.cpp's decode is summed in `decode_seconds`, so callers can
-    tell the engine's cost from their own.
+    tell the engine's cost from their own; the time `checkpoint` and `keep_branch` take
+    to make a call's tokens undoable and to undo the rejected ones, in
+    `rollback_seconds` (a recurrent state's copies run where its layers do: over RPC, a
+    round trip each).
 
     Trees: a token of the accepted sequence is in the context's own sequence (`seq`). A
     tree's branches are the sequences after it, seq + 1, seq + 2, ..., which share
@@ -332,6 +335,7 @@ class Context:
         self.n_seq_max: int = n_seq
         self.decode_seconds = 0.0  # in the decode calls this context took part in
         self.decode_calls = 0
+        self.rollback_seconds = 0.0  # in checkpoint and keep_branch
         self.tokens: list[int] = []  # what the sequence holds, by position
         self._last_call_start = 0  # position of the first token of the last decode call
         self._first_logit = 0  # place in that call's batch of the first row with logits
@@ -557,6 +561,11 @@ class Context:
         """After a decode call: keep its tokens on the path that ends with its token
         `index` (that token and its ancestors), forget the call's other tokens. For a
         chain, the same as rewind to the end of that path."""
+        t0 = time.perf_counter()
+        self._keep_branch(index)
+        self.rollback_seconds += time.perf_counter() - t0
+
+    def _keep_branch(self, index: int) -> None:
         tree = self._tree
         if tree is None:
             self.rewind(self._last_call_start + index + 1)
@@ -600,7 +609,9 @@ class Context:
         """
         if not self.recurrent or (n_ahead is not None and n_ahead <= self.n_rs_seq):
             return
+        t0 = time.perf_counter()
         self._checkpoint.save(self.ptr, self.seq, len(self.tokens))
+        self.rollback_seconds += time.perf_counter() - t0
 
     def rewind(self, n_keep: int) -> int:
         """Forget every token at position >= n_keep, or, for a recurrent state, go back
