@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -79,10 +80,11 @@ def llama_speed(args: argparse.Namespace, prompt: str, spec: str, k: int, fa: st
         pattern = LLAMA_SPEED
     else:
         command.append("-no-cnv")
+    env = os.environ | {"LD_LIBRARY_PATH": args.llama_lib} if args.llama_lib else None
     for _ in range(3):  # llama.cpp's log thread now and then loses its last lines at exit
         # The generated text of a random-weight model can split a UTF-8 character.
         result = subprocess.run(
-            command, capture_output=True, text=True, errors="replace", check=True
+            command, capture_output=True, text=True, errors="replace", check=True, env=env
         )
         match = pattern.search(result.stderr + result.stdout)
         if match:
@@ -122,6 +124,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")
     parser.add_argument("--specdec-flags", default="", help="extra flags for specdec run")
     parser.add_argument("--llama-flags", default="", help="extra flags for llama.cpp")
+    parser.add_argument(
+        "--llama-lib",
+        help="run llama.cpp's tool (built with -DBUILD_SHARED_LIBS=ON) on the libraries in "
+        "this folder: llama-cpp-python's own (llama_cpp/lib), as specdec runs",
+    )
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args()
     args.specdec_flags, args.llama_flags = args.specdec_flags.split(), args.llama_flags.split()
