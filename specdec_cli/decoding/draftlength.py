@@ -184,6 +184,18 @@ class PositionAcceptance:
                 self.weight[i] *= self.decay
 
 
+class RunningMean:
+    """A mean of what the rounds show: plain at first (a generation is too short to
+    wait for a slow one), then forgetting old rounds at `rate`."""
+
+    def __init__(self) -> None:
+        self.value, self._n = 0.0, 0
+
+    def add(self, sample: float, rate: float) -> None:
+        self._n += 1
+        self.value += max(rate, 1.0 / self._n) * (sample - self.value)
+
+
 class RoundCosts:
     """What a round costs, in seconds, on the machine as the rounds show it.
 
@@ -206,10 +218,8 @@ class RoundCosts:
         self.calls_per_round = costs.calls_per_round
         self.verify = costs.verify
         self.switch = costs.switch
-        self.other_seconds = 0.0
-        self._timed_rounds = 0
-        self.rollback_seconds = 0.0  # a drafting round's
-        self._rollbacks = 0
+        self.other = RunningMean()  # a round's time outside the decode calls
+        self.rollback = RunningMean()  # a drafting round's undoing (see the class)
         self._last_batch = -1  # the last verification's batch size
 
     def of(self, k: int, survive: float = 0.0) -> float:
@@ -217,11 +227,11 @@ class RoundCosts:
         previous round's draft was accepted whole with probability `survive`: then the
         draft model has two tokens to catch up on instead of one (each a target token's
         worth of calls, for a draft of another vocabulary)."""
-        verifying = self.verify[k + 1] * self.target_seconds + self.other_seconds
+        verifying = self.verify[k + 1] * self.target_seconds + self.other.value
         if not k:
             return verifying
         calls = (k + survive) * self.calls_per_token + self.calls_per_round
-        return calls * self.draft_seconds + self.rollback_seconds + verifying
+        return calls * self.draft_seconds + self.rollback.value + verifying
 
     def modelled(self, calls: int, batch: int) -> tuple[float, float]:
         """Drafting's and verification's seconds for a round that was not timed."""
@@ -249,15 +259,10 @@ class RoundCosts:
             per_token = verify_seconds / verify_cost(self.verify, batch)
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_batch = batch
-        # Plain means at first: a generation is too short to wait for a slow one.
         if other_seconds is not None:
-            self._timed_rounds += 1
-            step = max(rate, 1.0 / self._timed_rounds)
-            self.other_seconds += step * (max(0.0, other_seconds) - self.other_seconds)
+            self.other.add(max(0.0, other_seconds), rate)
         if rollback_seconds is not None:
-            self._rollbacks += 1
-            step = max(rate, 1.0 / self._rollbacks)
-            self.rollback_seconds += step * (rollback_seconds - self.rollback_seconds)
+            self.rollback.add(rollback_seconds, rate)
 
 
 def expected_rounds(acceptance: list[float]) -> Iterator[tuple[int, tuple[float, float]]]:
@@ -582,4 +587,4 @@ class AutoLength:
         costs = self.costs
         plain = costs.of(0)
         rebuilds = 2 * costs.switch * costs.target_seconds
-        return max(0.0, (seconds + rebuilds + costs.other_seconds) / plain - 1.0)
+        return max(0.0, (seconds + rebuilds + costs.other.value) / plain - 1.0)

@@ -149,8 +149,15 @@ class Policy:
         """The chained MTP blocks a drafter of this kind drafts with, a token each (0:
         it drafts otherwise)."""
         head = self.models.head
-        chained = kind.partition("+")[0] == "mtp" and head is not None and head.n_heads > 1
-        return head.n_heads if chained else 0  # type: ignore[union-attr]
+        if head is None or head.n_heads == 1 or kind.partition("+")[0] != "mtp":
+            return 0
+        return head.n_heads
+
+    def _calls_a_round(self, kind: str) -> int:
+        """The draft calls a round of this kind pays whatever its length (0: a call a
+        token): a DFlash block's one, and chained MTP blocks' one each (each catches up
+        every round, drafting or not)."""
+        return 1 if kind.partition("+")[0] == "dflash" else self._blocks_of(kind)
 
     def fits_tree(self, tree: str) -> bool:
         """Whether a tree setting is no wider than this engine was made for. "auto"
@@ -186,14 +193,12 @@ class Policy:
     def _paid_by(self, kind: str, costs: Costs) -> Costs:
         """`costs` as a drafter of this kind pays them: a lookup costs next to nothing;
         a translated draft model takes as many draft calls a target token as its tokens
-        are shorter than the target's; a block drafter (DFlash) one call a round, and
-        chained MTP blocks a call a block (each catches up every round, drafting or not)."""
+        are shorter than the target's; a DFlash block and chained MTP blocks as many
+        calls a round whatever its length (_calls_a_round)."""
         if kind == "ngram":
             return replace(costs, draft_over_target=0.0)
-        if kind.partition("+")[0] == "dflash":
-            return replace(costs, calls_per_token=0.0, calls_per_round=1.0)
-        if blocks := self._blocks_of(kind):
-            return replace(costs, calls_per_token=0.0, calls_per_round=blocks)
+        if per_round := self._calls_a_round(kind):
+            return replace(costs, calls_per_token=0.0, calls_per_round=per_round)
         if self.models.translation is not None:
             return replace(costs, calls_per_token=self.models.translation.calls_per_token)
         return costs
