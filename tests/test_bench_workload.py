@@ -17,7 +17,15 @@ from test_cli_run import assert_user_error, specdec
 
 import specdec_cli
 from specdec_cli.commands import bench as bench_module
-from specdec_cli.commands.bench import BenchOptions, BenchReport, VariantResult, run_bench, variants
+from specdec_cli.commands.bench import (
+    ANSWER_SLACK,
+    BenchOptions,
+    BenchReport,
+    VariantResult,
+    prompt_room,
+    run_bench,
+    variants,
+)
 from specdec_cli.commands.cli import bench_workload
 from specdec_cli.commands.display import CATEGORY_COLUMNS, print_bench
 from specdec_cli.commands.workload import (
@@ -250,6 +258,11 @@ def test_a_later_turn_follows_each_variants_own_answer(
         second_prompt = [Message("user", turns[0]), Message("assistant", first.strip())]
         second_prompt.append(Message("user", turns[1]))
         _, n_second = answer(second_prompt)
+        # The context is sized for turn 2 before any answer is known: -n tokens of answer
+        # and ANSWER_SLACK more.
+        second_tokens = len(tokenize_messages(engine, second_prompt, chatml))
+        room = prompt_room(engine.model, workload, turns, n)
+        assert second_tokens <= room <= second_tokens + (n - n_first) + ANSWER_SLACK
         monkeypatch.setattr(Engine, "tokenize_messages", recorded)
         report = run_bench(
             engine, variants(["model"], ["2"]), workload, BenchOptions(n_predict=n, repeat=1)

@@ -340,19 +340,19 @@ def fit_context(
 ) -> int:
     """Just enough context for the benchmark: a larger KV cache slows every decode down.
     `model`: the target's vocabulary (loaded alone is enough)."""
+    check_chat_template(model, workload)
     longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
     longest_prompt = max(
-        _prompt_room(model, workload, q.turns, n_predict) for q in workload.questions
+        prompt_room(model, workload, q.turns, n_predict) for q in workload.questions
     )
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
 
 
-def _prompt_room(model: Model, workload: Workload, turns: tuple[str, ...], n_predict: int) -> int:
+def prompt_room(model: Model, workload: Workload, turns: tuple[str, ...], n_predict: int) -> int:
     """The tokens a question's last turn starts from: its conversation, each earlier
     answer counted as -n tokens and ANSWER_SLACK more."""
     if workload.chat is None:
         return len(model.tokenize(turns[0]))
-    check_chat_template(model, workload)
     messages = [m for turn in turns[:-1] for m in (Message("user", turn), Message("assistant", ""))]
     messages.append(Message("user", turns[-1]))
     text = render(model, messages, workload.chat)
