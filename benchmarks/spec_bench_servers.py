@@ -2,8 +2,9 @@
 llama-server alone, with its lookup (`--spec-type ngram-mod`) and with a draft (`-md`),
 against `specdec serve` alone, with `-d ngram` and with the draft.
 
-Every server starts at once and loads its models once; specdec's target alone is its
-lookup server with `"speculative": false` in the requests. For each repeat and question
+Every setup's server starts at once and loads its models once; specdec's target alone
+is its lookup server's command, asked with `"speculative": false`, in a process of its own
+(a shared prompt cache would favour whichever asks second). For each repeat and question
 the setups take turns, in rotated order (ABC, BCA, CAB, ...), so that the machine's
 drifting speed hits them alike, seconds apart. Each asks the question's turns as a
 conversation, greedy, `max_tokens` -n, through `client.chat.completions.create` (not
@@ -86,7 +87,7 @@ def build_setups(args: argparse.Namespace) -> list[Setup]:
 
 
 def serve_command(args: argparse.Namespace, draft: str) -> str:
-    """`specdec serve` with one slot; its target alone is its lookup server, asked with
+    """`specdec serve` with one slot; for the target alone, the lookup's command, asked with
     "speculative": false."""
     serve = [sys.executable, "-m", "specdec_cli", "serve", "-m", args.model, "-c", str(args.ctx)]
     serve += ["-d", "ngram" if draft == "none" else draft, "--parallel", "1"]
@@ -131,18 +132,15 @@ def measure(args: argparse.Namespace, setups: list[Setup], questions: list[Quest
     print(f"Timing: nothing else may run on this machine while this measures. Logs: {log_dir}")
     records: list[TurnRecord] = []
     with ExitStack() as stack:
-        # One server a command: specdec's target alone shares its lookup server.
-        commands = list(dict.fromkeys(setup.command for setup in setups))
-        ports = {c: stack.enter_context(running(Setup(f"s{i}", c), args, log_dir, "all"))
-                 for i, c in enumerate(commands)}  # fmt: skip
-        clients = {
-            setup.name: openai.OpenAI(
-                base_url=f"http://{args.host}:{ports[setup.command]}/v1",
-                api_key="none",
-                timeout=args.request_timeout,
+        # A server each, even where two share a command: a shared prompt cache would
+        # spare the second of them the prompt that the first had just read.
+        clients = {}
+        for setup in setups:
+            port = stack.enter_context(running(setup, args, log_dir, "all"))
+            url = f"http://{args.host}:{port}/v1"
+            clients[setup.name] = openai.OpenAI(
+                base_url=url, api_key="none", timeout=args.request_timeout
             )
-            for setup in setups
-        }
         for setup in setups:
             ask(clients[setup.name], setup, WARMUP, WARMUP_TOKENS)
         rotation = 0
