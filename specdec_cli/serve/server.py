@@ -70,7 +70,14 @@ from specdec_cli.serve.api import (
 from specdec_cli.serve.logprobs import LogprobWriter
 from specdec_cli.serve.reasoning import END, START, ThinkingSplitter, opens_thinking
 from specdec_cli.serve.reply import Part, ReplyParser
-from specdec_cli.serve.toolcalls import MARKER_TEXTS, ToolCallParser, call_grammar, format_for
+from specdec_cli.serve.toolcalls import (
+    MARKER_TEXTS,
+    THOUGHTS_OPEN,
+    THOUGHTS_OPTIONAL,
+    ToolCallParser,
+    call_grammar,
+    format_for,
+)
 
 MAX_BODY_BYTES = 8 * 2**20
 RETRY_AFTER_SECONDS = 1
@@ -408,19 +415,25 @@ class Service:
     def tool_grammar(self, request: GenerationRequest, prompt: list[int]) -> Grammar | None:
         """tool_choice "required" or a named function, as a grammar: the reply is the
         call(s) in the template's format, each call's arguments its parameters' schema
-        (see toolcalls.call_grammar). None where nothing is required, where the request
-        constrains the reply itself, or where the template opened a thinking block (the
-        reply begins with thoughts, which no grammar here describes)."""
+        (see toolcalls.call_grammar), after the thoughts where the reply thinks first (the
+        prompt opened a thinking block, or the template knows one the model may open).
+        None where nothing is required (api.parse_request refuses a request that asks
+        for both a call and a response_format or grammar)."""
         assert self.engine is not None
         model = self.engine.model
-        if request.tool_choice not in ("required", "function") or request.grammar is not None:
+        if request.tool_choice not in ("required", "function"):
             return None
+        template = self.chat_format.template or model.chat_template() or ""
         if opens_thinking("".join(map(model.token_text, prompt[-4:]))):
-            return None
-        kind = format_for(self.chat_format.template or model.chat_template() or "")
-        parallel = request.parallel_tool_calls
+            thinking: str | None = THOUGHTS_OPEN
+        else:
+            thinking = THOUGHTS_OPTIONAL if END in template else None
         lark = call_grammar(
-            kind, request.offered_tools(), parallel, lambda t: lark_literal(model, t)
+            format_for(template),
+            request.offered_tools(),
+            request.parallel_tool_calls,
+            lambda text: lark_literal(model, text),
+            thinking,
         )
         grammar = Grammar.lark(lark, "tool_calls")
         grammar.check(model)  # UserError: a parameters schema llguidance cannot match
