@@ -122,8 +122,8 @@ class GenerationRequest:
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
-        named choice. ("required" is passed on as it is: decoding is not constrained,
-        the template and the model decide.)"""
+        named choice (whose call, as "required"'s, a grammar then enforces: see
+        Service.tool_grammar)."""
         if self.tool_choice == "none":
             return []
         if self.tool_choice == "function":
