@@ -153,7 +153,7 @@ def test_greedy_smaller_draft(
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_greedy_q8_0(q8_pair: tuple[Path, Path], k: int | str) -> None:
     """Quantized weights: on this pair no near-tie falls the other way between a one-token
-    batch and a batch of k+1 (see the README, What "exactly" means)."""
+    batch and a batch of k+1 (see docs/exactness.md, "llama.cpp's numerics")."""
     target, draft = q8_pair
     with open_engine(target, draft, k) as engine:
         out, stats = generate(engine)
