@@ -45,8 +45,7 @@ from starlette.responses import (
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from specdec_cli.commands import interrupt
-from specdec_cli.commands.display import note, warn
+from specdec_cli import interrupt
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar, lark_literal
@@ -59,6 +58,7 @@ from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.listening import listen
 from specdec_cli.llamacpp import rpc
+from specdec_cli.messages import note, warn
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
