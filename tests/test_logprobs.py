@@ -23,7 +23,7 @@ from test_translate import shuffled  # noqa: F401  (a fixture: stories260K, ids 
 
 from specdec_cli.decoding.decode import Decoder, Generation, step
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
+from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.pieces import PieceStream, Round
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
@@ -503,6 +503,15 @@ def test_run_adds_them_to_the_json_tokens(target_model: Path, draft_model: Path)
     records = json.loads(post.stdout)["token_list"]
     assert all(r["logprob"] == 0.0 and len(r["top_logprobs"]) == 1 for r in records)
     assert_user_error(specdec("run", *args, "--post-sampling-probs"), "--logprobs")
+
+
+def test_run_refuses_more_logprobs_than_the_api(target_model: Path) -> None:
+    """--logprobs N sorts N of the vocabulary for every token: the API's bound (20) holds
+    for the CLI too, refused in one line before any model is loaded."""
+    for too_many in (str(MAX_TOP + 1), "200000"):
+        result = specdec("run", "-m", str(target_model), "-p", "Once", "--logprobs", too_many)
+        assert_user_error(result, "--logprobs", str(MAX_TOP))
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_nothing_is_computed_when_nobody_asks(engine: Engine, monkeypatch) -> None:

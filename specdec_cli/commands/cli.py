@@ -69,6 +69,7 @@ from specdec_cli.commands.options import (
 )
 from specdec_cli.commands.prompts import read_prompt, read_prompts
 from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
+from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
     EngineOptions,
@@ -275,6 +276,7 @@ def run(
             "--logprobs",
             metavar="N",
             min=0,
+            max=MAX_TOP,  # as the API: more would sort the whole vocabulary every token
             help="Add each token's log-probability and the N likeliest tokens at its place "
             "to the --json-tokens records (implied): the target's own, whoever drafted it. "
             "The model's distribution (log-softmax of the logits) unless "

@@ -15,7 +15,7 @@ from specdec_cli.decoding.costmodel import (
     median_costs,
     time_decodes,
 )
-from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord
+from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord, Timings
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.decoding.translate import Translation
@@ -336,22 +336,20 @@ class LoadedModels:
             "repack": self.repack,
             "slots": o.parallel,
         }
-        record = FlashAttnRecord.load(costcache.cache_key([model.path], settings))
-        depth = record.depth(n_ctx // o.parallel // 2)
-        if o.parallel == 1 and record.runs_disagree(depth):  # slots' calls vary too much
-            record.measure_again(depth)
-        measured = len(record.measured_at(depth))
-        if measured < costcache.MEASUREMENTS:
-            times = f"{measured + 1} of {costcache.MEASUREMENTS}, one a run, {depth} tokens deep,"
-            self._announce("flash attention on and off for -fa auto", model.path.name, times)
-            record.add_measurement(depth, self.time_flash_attn(model, n_ctx, threads, depth))
-        used = record.verdict(depth)
-        self._flash_attn_records[model.path] = record
-        return FlashAttnChoice(asked, used)
+        key = costcache.cache_key([model.path], settings)
+        record = FlashAttnRecord.load(key, deepest=n_ctx // o.parallel // 2)
 
-    def time_flash_attn(
-        self, model: Model, n_ctx: int, threads: int, depth: int
-    ) -> dict[str, dict[int, float]]:
+        def measure(depth: int) -> Timings:
+            done = len(record.measured_at(depth))
+            times = f"{done + 1} of {costcache.MEASUREMENTS}, one a run, {depth} tokens deep,"
+            self._announce("flash attention on and off for -fa auto", model.path.name, times)
+            return self.time_flash_attn(model, n_ctx, threads, depth)
+
+        used = record.choose(measure, check_runs=o.parallel == 1)  # slots' calls vary too much
+        self._flash_attn_records[model.path] = record
+        return FlashAttnChoice(asked, used, record.switched_from)
+
+    def time_flash_attn(self, model: Model, n_ctx: int, threads: int, depth: int) -> Timings:
         """Seconds of `model`'s decodes with flash attention "on" and "off", each slot
         `depth` tokens deep, in two short-lived contexts of as many slots as the engine's
         (see costmodel.time_decodes). With slots, each token's attention spans every
