@@ -13,8 +13,7 @@ from typing import Annotated
 
 import typer
 
-from specdec_cli import __version__
-from specdec_cli.commands import interrupt
+from specdec_cli import __version__, interrupt
 from specdec_cli.commands.bench import (
     BUILTIN_PROMPTS,
     BenchOptions,
@@ -32,7 +31,6 @@ from specdec_cli.commands.display import (
     bench_progress,
     load_pyplot,
     print_bench,
-    warn,
     write_plot,
 )
 from specdec_cli.commands.options import (
@@ -81,6 +79,7 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.messages import warn
 from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.models.heads import HEAD_FILES

@@ -21,7 +21,6 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from specdec_cli.commands.display import note
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
@@ -36,6 +35,7 @@ from specdec_cli.decoding.settings import (
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
+from specdec_cli.messages import note
 from specdec_cli.models.config import ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.heads import head_problem

@@ -122,8 +122,8 @@ class GenerationRequest:
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
-        named choice. ("required" is passed on as it is: decoding is not constrained,
-        the template and the model decide.)"""
+        named choice (whose call, as "required"'s, a grammar then enforces: see
+        Service.tool_grammar)."""
         if self.tool_choice == "none":
             return []
         if self.tool_choice == "function":
@@ -172,6 +172,13 @@ def parse_request(
     if chat:
         tools = _tools(body)
         choice, name = _tool_choice(body, tools)
+        if choice in ("required", "function") and request.grammar is not None:
+            # Both would constrain the one reply: never follow one and drop the other.
+            raise ApiError(
+                f"tool_choice {body['tool_choice']!r} requires a tool call, which cannot "
+                "also follow response_format (or grammar, json_schema): send one of them",
+                param="tool_choice",
+            )
         return replace(
             request,
             messages=_messages(body),
