@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 
 
 class DraftLength(Protocol):

@@ -166,7 +166,7 @@ class LoadedModels:
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
         # A tree's leaves are the target's sequences; the draft needs one per node it
-        # extends (see drafters._Growth). Each slot has as many of its own.
+        # extends (see treegrowth.TreeGrowth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
         draft_seqs = min(LLAMA_MAX_SEQ // parallel, MAX_WIDTH * self._longest_draft() + 1)
         target_params = self._context_params(
