@@ -12,7 +12,7 @@ from specdec_cli.decoding.draft import DraftSteps, KeepDrafting, TreeShape
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams, distribution
 from specdec_cli.decoding.treegrowth import TreeGrowth
 from specdec_cli.llamacpp.llama import Context
-from specdec_cli.llamacpp.rowexp import exp_sum
+from specdec_cli.llamacpp.rowexp import exp_sum, scratch_row
 
 if TYPE_CHECKING:
     from specdec_cli.decoding.grammar import Constraint
@@ -44,7 +44,6 @@ class ModelDrafter:
         # last round's draft tokens, which the target may or may not have accepted.
         self._n_cached = 0
         self._unchecked: list[int] = []
-        self._scratch = np.empty(0, np.float32)
         # Tokens never drawn when sampling: those of a draft vocabulary whose text the
         # target's lacks (see translate.py). q is then renormalised over the rest.
         self.banned: np.ndarray | None = None
@@ -233,8 +232,6 @@ class ModelDrafter:
         return ids, [float(np.exp(logits[t] - best)) / total for t in ids]
 
     def _top_probability(self, logits: np.ndarray, top: int) -> float:
-        """softmax(logits)[top], computed in a buffer kept for the purpose, so that no
-        vocabulary-sized array is allocated per token."""
-        if self._scratch.shape != logits.shape:
-            self._scratch = np.empty_like(logits)
-        return 1.0 / exp_sum(logits, float(logits[top]), out=self._scratch)
+        """softmax(logits)[top], its exps in the kept scratch row: no vocabulary-sized
+        array is allocated per token."""
+        return 1.0 / exp_sum(logits, float(logits[top]), out=scratch_row(len(logits)))
