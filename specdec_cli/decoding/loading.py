@@ -11,8 +11,10 @@ from typing import NamedTuple, TypeVar
 from specdec_cli.decoding.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
+    load_costs,
     measure_costs,
     median_costs,
+    save_costs,
     time_decodes,
 )
 from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord
@@ -301,12 +303,12 @@ class LoadedModels:
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
             sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
-            measured = costcache.load(key)
+            measured = load_costs(key)
             if len(measured) < costcache.MEASUREMENTS:
                 times = f"{len(measured) + 1} of {costcache.MEASUREMENTS}, one a run,"
                 self._announce("the models' costs for -k auto", "these models", times)
                 measured.append(self.measure_costs(sizes, reps=5))
-                costcache.save(key, measured)
+                save_costs(key, measured)
             self._prices = median_costs(measured), measured[0]
         return self._prices
 
