@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 # rest from every TAIL_STRIDE-th (see ModelDrafter._likeliest).
 NEAR_TOP = 4.0
 TAIL_STRIDE = 16
+# A node's children: tokens, probabilities and q's (see ModelDrafter.children).
+Children = tuple[list[int], list[float], list[Dist | None]]
 
 
 class ModelDrafter:
@@ -151,7 +153,7 @@ class ModelDrafter:
         need_confidence: bool,
         position: int = 0,
         path: Sequence[int] = (),
-    ) -> tuple[list[int], list[float], list[Dist | None]]:
+    ) -> Children:
         """A node's children from the draft's logits after it, up to n: the token a
         chain would draft first, then alternatives. Each comes with the draft's
         probability that it is right (the first's 1.0 when nobody asked) and what it was
@@ -172,27 +174,30 @@ class ModelDrafter:
         constraint = self.constraint
         if constraint is not None and constraint.follow(path):
             logits = constraint.mask(logits, constraint.allowed())
-        return self._children(logits, rng, n, need_confidence, position)
-
-    def _children(
-        self,
-        logits: np.ndarray,
-        rng: np.random.Generator,
-        n: int,
-        need_confidence: bool,
-        position: int = 0,
-    ) -> tuple[list[int], list[float], list[Dist | None]]:
         if self.sampling.greedy:
-            token = int(np.argmax(logits))
-            if n == 1:
-                confidence = self._top_probability(logits, token) if need_confidence else 1.0
-                return [token], [confidence], [None]
-            return *self._likeliest(logits, token, n), [None] * n
+            return self._greedy_children(logits, n, need_confidence)
         if self.noise is not None:
-            # Verified by a match, so a guess may be kept or ranked by its own probability.
-            q = distribution(logits, self.sampling)
-            ids = self.noise.ranked(q, position, n)
-            return ids, [q.prob(t) for t in ids], [None] * len(ids)
+            return self._coupled_children(logits, self.noise, n, position)
+        return self._sampled_children(logits, rng, n, need_confidence)
+
+    def _greedy_children(self, logits: np.ndarray, n: int, need_confidence: bool) -> Children:
+        token = int(np.argmax(logits))
+        if n == 1:
+            confidence = self._top_probability(logits, token) if need_confidence else 1.0
+            return [token], [confidence], [None]
+        return *self._likeliest(logits, token, n), [None] * n
+
+    def _coupled_children(
+        self, logits: np.ndarray, noise: Noise, n: int, position: int
+    ) -> Children:
+        """Verified by a match, so a guess may be kept or ranked by its own probability."""
+        q = distribution(logits, self.sampling)
+        ids = noise.ranked(q, position, n)
+        return ids, [q.prob(t) for t in ids], [None] * len(ids)
+
+    def _sampled_children(
+        self, logits: np.ndarray, rng: np.random.Generator, n: int, need_confidence: bool
+    ) -> Children:
         ids, probs, dists = [], [], []
         if self.banned is not None:
             logits[self.banned] = -np.inf  # the draft's own row, read once
