@@ -33,9 +33,10 @@ from scipy.stats import chi2_contingency, chisquare
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder, step
-from specdec_cli.decoding.drafters import Draft, DraftSteps, NgramDrafter
+from specdec_cli.decoding.draft import Draft, DraftSteps
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.policy import VERBATIM_PRIOR
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions

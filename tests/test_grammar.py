@@ -21,7 +21,7 @@ from test_tools import tool_model  # noqa: F401 (a fixture)
 
 from specdec_cli.decoding import decode
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions

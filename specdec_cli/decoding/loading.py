@@ -11,8 +11,10 @@ from typing import NamedTuple, TypeVar
 from specdec_cli.decoding.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
+    load_costs,
     measure_costs,
     median_costs,
+    save_costs,
     time_decodes,
 )
 from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord, Timings
@@ -166,7 +168,7 @@ class LoadedModels:
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
         # A tree's leaves are the target's sequences; the draft needs one per node it
-        # extends (see drafters._Growth). Each slot has as many of its own.
+        # extends (see treegrowth.TreeGrowth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
         draft_seqs = min(LLAMA_MAX_SEQ // parallel, MAX_WIDTH * self._longest_draft() + 1)
         target_params = self._context_params(
@@ -301,12 +303,12 @@ class LoadedModels:
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
             sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
-            measured = costcache.load(key)
+            measured = load_costs(key)
             if len(measured) < costcache.MEASUREMENTS:
                 times = f"{len(measured) + 1} of {costcache.MEASUREMENTS}, one a run,"
                 self._announce("the models' costs for -k auto", "these models", times)
                 measured.append(self.measure_costs(sizes, reps=5))
-                costcache.save(key, measured)
+                save_costs(key, measured)
             self._prices = median_costs(measured), measured[0]
         return self._prices
 

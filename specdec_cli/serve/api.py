@@ -44,7 +44,7 @@ class ServeOptions:
     # --cache-ram, and its default); 0: none.
     cache_ram: int = 8192
     # Tokens of recent requests' texts that every slot's n-gram lookup may find (greedy
-    # requests; see drafters.TextMemory), as llama-server's ngram-mod map is shared.
+    # requests; see ngram.TextMemory), as llama-server's ngram-mod map is shared.
     ngram_memory: int = 16384
     # --chat-template, --jinja, ...; by default the model's own template, as Jinja
     chat: ChatFormat = field(default_factory=ChatFormat)
