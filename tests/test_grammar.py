@@ -465,7 +465,7 @@ def test_serve_response_format_json_schema(grammar_server) -> None:
         jsonschema.validate(json.loads(content), SCHEMA)
 
 
-def test_serve_llama_server_fields_and_json_object(grammar_server, target_model: Path) -> None:
+def test_serve_llama_server_fields(grammar_server, target_model: Path) -> None:
     import httpx
 
     grammar = Grammar.gbnf('root ::= ("yes" | "no") (" " ("yes" | "no"))*')
@@ -477,9 +477,36 @@ def test_serve_llama_server_fields_and_json_object(grammar_server, target_model:
     assert reply["choices"][0]["text"] == reference
     reply = httpx.post(url, json={**body, "max_tokens": 96, "json_schema": SCHEMA}, timeout=60)
     jsonschema.validate(json.loads(reply.json()["choices"][0]["text"]), SCHEMA)
-    fmt = {"type": "json_object"}
-    reply = httpx.post(url, json={**body, "max_tokens": 200, "response_format": fmt}, timeout=60)
-    assert reply.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
+# A model that answers "Go:" with an object and then runs on past it (see
+# ggufgen.scripted_model): the random pair's objects never end (a key of free text).
+OBJECT = '{"answer": 42}'
+OBJECT_PIECES = ["Go:", OBJECT, " and more"]
+OBJECT_SCRIPT = {"Go:": OBJECT, OBJECT: " and more"}
+
+
+@pytest.fixture(scope="module")
+def object_server(tmp_path_factory: pytest.TempPathFactory):
+    from ggufgen import scripted_model
+    from test_server import start
+
+    folder = tmp_path_factory.mktemp("serve-object")
+    model = scripted_model(folder / "object.gguf", OBJECT_PIECES, OBJECT_SCRIPT, TOOLS_TEMPLATE)
+    proc = start(folder, "-m", str(model), "-d", "ngram", "--temp", "0")
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def test_serve_json_object_is_a_whole_object(object_server) -> None:
+    """The reply parses as a JSON object and ends there; unconstrained, the same model
+    writes on past it."""
+    json_object = {"response_format": {"type": "json_object"}}
+    (choice,) = complete(object_server, {"prompt": "Go:", **json_object}).json()["choices"]
+    assert json.loads(choice["text"]) == {"answer": 42}
+    assert choice["finish_reason"] == "stop"
+    (free,) = complete(object_server, {"prompt": "Go:"}).json()["choices"]
+    assert free["text"] == OBJECT + " and more"
 
 
 @pytest.mark.parametrize(
@@ -514,27 +541,6 @@ def assert_refused(reply, *words: str) -> None:
     assert message and "\n" not in message
     for word in words:
         assert word in message, message
-
-
-def test_post_sampling_logprobs_are_the_masked_distribution(
-    target_model: Path, draft_model: Path
-) -> None:
-    grammar = Grammar.gbnf(NO_R)
-    options = LogprobOptions(top=8, post_sampling=True)
-    with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
-        decoder = engine.make_decoder("model", "3")
-        prompt = engine.tokenize(REPEATING_PROMPT)
-        entries = []
-        rng = np.random.default_rng(0)
-        for new in decoder.generate(prompt, 32, rng, Stats(), None, options, grammar):
-            assert new.logprobs is not None
-            entries += new.logprobs
-        for entry in entries:
-            assert np.isfinite(entry.logprob)
-            alternatives = [t for t, logprob in entry.top if np.isfinite(logprob)]
-            assert alternatives
-            assert all(b"r" not in engine.model.piece(t) for t in alternatives)
-    assert len(entries) == 32
 
 
 def test_coupled_sampled_text_equals_constrained_target_only(
