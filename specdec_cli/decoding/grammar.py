@@ -67,7 +67,8 @@ FORCED_MAX = 32
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
 # The most bytes a grammar, a JSON schema (as compact JSON) or a request's tools may take,
 # refused before anything reads them: every later pass is linear in it, and llguidance's
-# compile grows with it. Far above what people or libraries write.
+# compile grows with it. Far above what people write (llama.cpp's grammars, JSON's
+# among them, are under 2 kB).
 MAX_GRAMMAR_BYTES = 256 * 1024
 # The deepest a JSON schema may nest, in objects and arrays, counted on through its $refs.
 # llguidance compiles a schema by recursion, up to 3.3 kB of stack a level (measured, 1.9.1:
@@ -90,6 +91,8 @@ MAX_GRAMMAR_RULES = 4000
 # `ulimit -s` or threading.stack_size gave it (a helper thread of the server's event loop,
 # the command line's main thread).
 COMPILE_STACK_BYTES = 8 * 2**20
+# Compiles that go on at once (llguidance lets go of the GIL while it compiles); more
+# requests' compiles wait their turn, while the generations already running go on.
 COMPILE_THREADS = 4
 
 T = TypeVar("T")
@@ -216,8 +219,8 @@ _stack_size_lock = threading.Lock()
 
 def on_compile_thread(work: Callable[..., T], *args: Any) -> T:
     """`work(*args)` in a thread whose stack is COMPILE_STACK_BYTES, once it is done (at
-    once where this is one). The pool makes its threads only inside submit, and each is
-    made while the size for new threads is that one."""
+    once where this is one). The pool makes a thread only inside submit (where none is
+    idle), so each is made while the process's size for new threads is that one."""
     if getattr(_compile_pool_thread, "marked", False):
         return work(*args)
     with _stack_size_lock:
