@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.grammar import Grammar, check_json_bytes
 from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
@@ -382,6 +382,10 @@ def _tools(body: dict[str, object]) -> tuple[dict[str, Any], ...]:
         return ()
     if not isinstance(tools, list):
         raise ApiError(f"tools must be a list of {TOOL_SHAPE}", param="tools")
+    try:  # before the template and the grammar of tool_choice read them
+        check_json_bytes("the tools field, as JSON,", tools)
+    except UserError as err:
+        raise ApiError(str(err), param="tools") from None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (

@@ -171,9 +171,10 @@ class Api:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             )
         body = await read_body(request)
-        # in a helper thread: a grammar may take a second to convert and compile
+        # in a helper thread: the body may be megabytes, a grammar's checks read it all
+        # (llguidance compiles in its own threads, see grammar.on_compile_thread)
         parsed = await asyncio.to_thread(
-            parse_request, parse_body(body), endpoint.chat, service.engine_options.sampling
+            lambda: parse_request(parse_body(body), endpoint.chat, service.engine_options.sampling)
         )
         service.check_speculation(parsed.speculation)
         try:
