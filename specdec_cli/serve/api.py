@@ -119,6 +119,7 @@ class GenerationRequest:
     # What the output follows: response_format's JSON object or schema, or llama-server's
     # "grammar" (GBNF) or "json_schema" (see decoding/grammar.py); None: nothing.
     grammar: Grammar | None = None
+    grammar_field: str | None = None  # the field the grammar came in, for its errors
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
@@ -157,6 +158,7 @@ def parse_request(
     if options is not None and not stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
     include_usage = bool(options and _optional(options, "include_usage", bool, "stream_options."))
+    grammar, grammar_field = _grammar(body)
     request = GenerationRequest(
         chat=chat,
         max_tokens=_max_tokens(body, chat),
@@ -167,7 +169,8 @@ def parse_request(
         include_usage=include_usage,
         speculation=_speculation(body),
         logprobs=_logprobs(body, chat),
-        grammar=_grammar(body),
+        grammar=grammar,
+        grammar_field=grammar_field,
     )
     if chat:
         tools = _tools(body)
@@ -215,11 +218,11 @@ def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
             raise ApiError(f"{name} is not supported by specdec serve (leave it 0)", param=name)
 
 
-def _grammar(body: dict[str, object]) -> Grammar | None:
+def _grammar(body: dict[str, object]) -> tuple[Grammar | None, str | None]:
     """OpenAI's response_format ({"type": "json_object"}, or "json_schema" with its
     {"name", "schema", "strict"}), or llama-server's "grammar" (GBNF) or "json_schema" (a
     schema): at most one. The schema is checked against the vocabulary later (see
-    Service.prompt_tokens); here, that it parses."""
+    Service.prompt_tokens); here, that it parses. With the field it came in."""
     given: list[tuple[str, Any]] = []
     response_format = _optional(body, "response_format", dict)
     kind = response_format.get("type", "text") if response_format is not None else "text"
@@ -245,7 +248,7 @@ def _grammar(body: dict[str, object]) -> Grammar | None:
     if body.get("grammar") is not None:
         given.append(("grammar", body["grammar"]))
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         names = " and ".join(name for name, _ in given)
         raise ApiError(f"give one of {names}, not both", param=given[1][0])
@@ -254,12 +257,12 @@ def _grammar(body: dict[str, object]) -> Grammar | None:
         if name == "grammar":
             if not isinstance(value, str):
                 raise ApiError("grammar must be a string (GBNF)", param=name)
-            return Grammar.gbnf(value)
+            return Grammar.gbnf(value), name
         if value is None:
-            return Grammar.json_object()
+            return Grammar.json_object(), name
         if not isinstance(value, dict | bool):
             raise ApiError("the JSON schema must be a JSON object", param=name)
-        return Grammar.json_schema(value)
+        return Grammar.json_schema(value), name
     except UserError as err:
         raise ApiError(str(err), param=name) from None
 

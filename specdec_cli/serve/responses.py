@@ -110,11 +110,12 @@ def sse(data: dict[str, object] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def as_api_error(error: Exception) -> ApiError:
+def as_api_error(error: Exception, param: str | None = None) -> ApiError:
     """What a generation failed with, as the client sees it: a 400 for what the request
-    asked (a grammar's dead end), a 500 for anything else."""
+    asked (a grammar's dead end: `param` names the grammar's field), a 500 for anything
+    else."""
     if isinstance(error, ApiError):
         return error
     if isinstance(error, UserError):
-        return ApiError(str(error))
+        return ApiError(str(error), param=param)
     return ApiError(f"generation failed: {error}", status=500, kind="server_error")

@@ -188,7 +188,7 @@ class Api:
             except UserError as err:
                 raise ApiError(str(err), param="tools") from None
             if tools is not None:
-                parsed = replace(parsed, grammar=tools)
+                parsed = replace(parsed, grammar=tools, grammar_field="tools")
         return service.admit(parsed, prompt, reply, frozenset(shown))
 
     async def _watch_disconnect(self, request: Request, job: Job) -> None:

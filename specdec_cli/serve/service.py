@@ -31,6 +31,7 @@ from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
 from specdec_cli.messages import note, warn
+from specdec_cli.models.chat import runs_jinja
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
@@ -371,7 +372,7 @@ class Service:
             opened = opens_thinking("".join(map(model.token_text, prompt[-4:])))
             thinking, markers = ThinkingSplitter(opened), [START, END]
         if request.offered_tools():
-            kind = format_for(self.chat_format.template or model.chat_template() or "")
+            kind = format_for(self.template())
             tools = ToolCallParser(kind, request.parallel_tool_calls)
             markers += MARKER_TEXTS[kind]
         return ReplyParser(thinking, tools), {t for m in markers for t in self._marker_token(m)}
@@ -387,7 +388,7 @@ class Service:
         model = self.engine.model
         if request.tool_choice not in ("required", "function"):
             return None
-        template = self.chat_format.template or model.chat_template() or ""
+        template = self.template()
         if opens_thinking("".join(map(model.token_text, prompt[-4:]))):
             thinking: str | None = THOUGHTS_OPEN
         else:
@@ -402,6 +403,12 @@ class Service:
         grammar = Grammar.lark(lark, "tool_calls")
         grammar.check(model)  # UserError: a parameters schema llguidance cannot match
         return grammar
+
+    def template(self) -> str:
+        """The chat template requests are formatted with (--chat-template's, else the
+        model's own, else the fallback chosen at load)."""
+        assert self.engine is not None
+        return self.chat_format.template or self.engine.model.chat_template() or ""
 
     def _marker_token(self, text: str) -> list[int]:
         """The token that is `text` in the target's vocabulary, if one is ([] if it takes
@@ -421,7 +428,16 @@ class Service:
             messages, tools = list(request.messages), request.offered_tools()
             kwargs = self.chat_format.kwargs | request.template_kwargs
             format = replace(self.chat_format, kwargs=kwargs)
-            tokens = self.engine.tokenize_messages(messages, format, tools)
+            if tools and not runs_jinja(self.template(), format):
+                raise ApiError(
+                    "this server formats chats in one of llama.cpp's built-in formats, which "
+                    "cannot describe tools: send none, or restart it with a Jinja template",
+                    param="tools",
+                )
+            try:
+                tokens = self.engine.tokenize_messages(messages, format, tools)
+            except UserError as err:  # the template failed on these messages
+                raise ApiError(str(err), param="messages") from None
         elif request.tokens is not None:
             tokens = list(request.tokens)
             if not all(0 <= t < model.n_vocab for t in tokens):
@@ -430,8 +446,11 @@ class Service:
                 )
         else:
             tokens = self.engine.tokenize(request.text or "")
-        if request.grammar is not None:  # UserError: what llguidance finds wrong in it
-            request.grammar.check(model)
+        if request.grammar is not None:  # what llguidance finds wrong in it
+            try:
+                request.grammar.check(model)
+            except UserError as err:
+                raise ApiError(str(err), param=request.grammar_field) from None
         n_ctx = self.engine.slots[0].n_ctx  # each slot's share of -c
         if not tokens:
             raise ApiError("the prompt is empty", param="prompt")

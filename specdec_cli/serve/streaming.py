@@ -57,7 +57,7 @@ class Answer:
             logprobs += [lp for e in batch if isinstance(e, Chunk) for lp in e.piece.logprobs]
         end = batch[-1]
         if isinstance(end, Failed):
-            return error_response(as_api_error(end.error))
+            return error_response(as_api_error(end.error, job.request.grammar_field))
         reply = Part("".join(parts))
         if job.reply is not None:
             reply = job.reply.feed(reply.content) + job.reply.finish()
@@ -113,7 +113,7 @@ class Answer:
                         yield sse({**head, "choices": [choice], "specdec": figures})
             end = batch[-1]
             if isinstance(end, Failed):
-                yield sse(as_api_error(end.error).body())
+                yield sse(as_api_error(end.error, job.request.grammar_field).body())
             else:
                 held = job.reply.finish() if job.reply is not None else Part()
                 if held:
