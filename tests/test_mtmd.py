@@ -23,9 +23,15 @@ from llamatools import llama_tool
 from mtmdgen import CHATML, COLORS, VisionPair, png, write_mlp_projector, write_vision_pair
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, apply_chat_template
+from specdec_cli.llamacpp.llama import (
+    Context,
+    ContextParams,
+    Model,
+    apply_chat_template,
+    init_backend,
+)
 from specdec_cli.llamacpp.media import MAX_MEDIA_BYTES, Media, media_from_bytes, read_media
-from specdec_cli.llamacpp.mtmd import EmbeddingBatch, Projector, Prompt
+from specdec_cli.llamacpp.mtmd import EmbeddingBatch, OnBatch, Projector, Prompt
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.mmproj import check_projector, read_projector
 
@@ -50,11 +56,11 @@ class Loaded:
         assert text is not None
         return text, [image(self.pair, colour)] if colour else []
 
-    def fresh(self) -> None:
-        llama_cpp.llama_memory_clear(self.ctx.memory, True)
+    def fresh(self, seq: int = 0) -> None:
+        llama_cpp.llama_memory_seq_rm(self.ctx.memory, seq, -1, -1)
 
-    def pos_max(self) -> int:
-        return llama_cpp.llama_memory_seq_pos_max(self.ctx.memory, 0)
+    def pos_max(self, seq: int = 0) -> int:
+        return llama_cpp.llama_memory_seq_pos_max(self.ctx.memory, seq)
 
     def last_logits(self) -> np.ndarray:
         row = llama_cpp.llama_get_logits_ith(self.ctx.ptr, -1)
@@ -66,8 +72,10 @@ def image(pair: VisionPair, colour: str) -> Media:
 
 
 def load(pair: VisionPair) -> Iterator[Loaded]:
+    init_backend()
     model = Model(pair.target)
-    ctx = Context(model, ContextParams(n_ctx=N_CTX, n_threads=1, flash_attn="off"))
+    params = ContextParams(n_ctx=N_CTX, n_threads=1, flash_attn="off", n_seq_max=2)
+    ctx = Context(model, params)
     projector = Projector(pair.mmproj, model, n_threads=1, flash_attn="off")
     yield Loaded(pair, model, ctx, projector)
     projector.close()
@@ -90,32 +98,38 @@ def loaded(request: pytest.FixtureRequest) -> Loaded:
     return request.getfixturevalue(request.param)
 
 
-def decode_text(ctx: Context, tokens: tuple[int, ...], pos: int) -> None:
-    """Tokens at pos, pos + 1, ..., logits for the last (one call)."""
+def decode_text(ctx: Context, tokens: tuple[int, ...], pos: int, seq: int = 0) -> None:
+    """Tokens at pos, pos + 1, ... of sequence `seq`, logits for the last (one call)."""
     batch = llama_cpp.llama_batch_init(len(tokens), 0, 1)
     try:
         batch.n_tokens = len(tokens)
         for i, token in enumerate(tokens):
             batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos + i, 1
-            batch.seq_id[i][0], batch.logits[i] = 0, i == len(tokens) - 1
+            batch.seq_id[i][0], batch.logits[i] = seq, i == len(tokens) - 1
         assert llama_cpp.llama_decode(ctx.ptr, batch) == 0
     finally:
         llama_cpp.llama_batch_free(batch)
 
 
-def prefill(loaded: Loaded, prompt: Prompt, n_batch: int = N_CTX, on_batch=None) -> int:
-    """The prompt into a fresh sequence through the binding: text chunks decoded here,
-    media encoded and decoded by the projector. Returns the next position."""
-    loaded.fresh()
+def prefill(
+    loaded: Loaded,
+    prompt: Prompt,
+    n_batch: int = N_CTX,
+    on_batch: OnBatch | None = None,
+    seq: int = 0,
+) -> int:
+    """The prompt into sequence `seq`, emptied first, through the binding: text chunks
+    decoded here, media encoded and decoded by the projector. Returns the next position."""
+    loaded.fresh(seq)
     pos = 0
     for chunk in prompt.chunks:
         if chunk.kind == "text":
-            decode_text(loaded.ctx, chunk.tokens, pos)
+            decode_text(loaded.ctx, chunk.tokens, pos, seq)
             pos += chunk.n_pos
         else:
             embeddings = loaded.projector.encode(chunk)
             pos = loaded.projector.decode(
-                loaded.ctx.ptr, chunk, embeddings, pos, 0, n_batch, on_batch
+                loaded.ctx.ptr, chunk, embeddings, pos, seq, n_batch, on_batch
             )
     return pos
 
@@ -125,8 +139,7 @@ def greedy(loaded: Loaded, pos: int, n: int) -> list[int]:
     out: list[int] = []
     while len(out) < n:
         out.append(int(np.argmax(loaded.last_logits())))
-        decode_text(loaded.ctx, (out[-1],), pos)
-        pos += 1
+        decode_text(loaded.ctx, (out[-1],), pos + len(out) - 1)
     return out
 
 
@@ -146,6 +159,36 @@ def test_the_image_decides_the_answer(loaded: Loaded, colour: str | None) -> Non
 def test_a_wrong_image_changes_every_token(loaded: Loaded) -> None:
     red, blue = answer(loaded, "red"), answer(loaded, "blue")
     assert all(r != b for r, b in zip(red, blue, strict=True))
+
+
+def test_two_sequences_hold_their_own_images(loaded: Loaded) -> None:
+    """Slots: a red image in sequence 0 and a blue one in sequence 1 of one context, each
+    answered by its own, a token of each in turn."""
+    ends, texts = [], []
+    for seq, colour in enumerate(["red", "blue"]):
+        text, media = loaded.prompt(colour)
+        with loaded.projector.tokenize(text, media) as prompt:
+            ends.append(prefill(loaded, prompt, seq=seq))
+        texts.append([int(np.argmax(loaded.last_logits()))])
+    for i in range(N_PREDICT - 1):
+        for seq, tokens in enumerate(texts):
+            decode_text(loaded.ctx, (tokens[-1],), ends[seq] + i, seq)
+            tokens.append(int(np.argmax(loaded.last_logits())))
+    assert texts == [loaded.pair.greedy("red", N_PREDICT), loaded.pair.greedy("blue", N_PREDICT)]
+
+
+def test_an_error_in_on_batch_comes_out_of_decode(llava: Loaded) -> None:
+    """What the callback raises (a drafter that failed) is raised by decode, not lost in C."""
+    text, media = llava.prompt("red")
+
+    def fail(batch: EmbeddingBatch) -> None:
+        raise ValueError("the drafter failed")
+
+    with (
+        llava.projector.tokenize(text, media) as prompt,
+        pytest.raises(ValueError, match="the drafter failed"),
+    ):
+        prefill(llava, prompt, on_batch=fail)
 
 
 def test_llama_cpps_helper_decodes_the_same(loaded: Loaded) -> None:
