@@ -234,16 +234,9 @@ class Projector:
         if embeddings.shape != (chunk.n_tokens, self.n_embd):
             raise ValueError(f"{chunk.kind} {chunk.id} takes {chunk.n_tokens} embeddings")
         failure: list[BaseException] = []
-
-        @mtmd.mtmd_helper_post_decode_callback
-        def seen(batch: ctypes._Pointer, user_data: ctypes.c_void_p) -> int:
-            try:
-                on_batch(_embedding_batch(batch.contents))  # type: ignore[misc]
-            except BaseException as err:  # carried out of C, raised again below
-                failure.append(err)
-                return 1
-            return 0
-
+        callback = mtmd.mtmd_helper_post_decode_callback()  # NULL: nobody to tell
+        if on_batch is not None:
+            callback = _relay(on_batch, failure)
         new_n_past = llama_cpp.llama_pos(n_past)
         status = mtmd.mtmd_helper_decode_image_chunk(
             self.ptr,
@@ -254,7 +247,7 @@ class Projector:
             seq_id,
             n_batch,
             ctypes.byref(new_n_past),
-            seen if on_batch else mtmd.mtmd_helper_post_decode_callback(),
+            callback,
             None,
         )
         if failure:
@@ -289,6 +282,22 @@ class Projector:
         if status != 0:
             raise RuntimeError(f"llama.cpp could not evaluate the prompt ({status})")
         return new_n_past.value
+
+
+def _relay(on_batch: OnBatch, failure: list[BaseException]) -> ctypes._CFuncPtr:
+    """libmtmd's post-decode callback calling on_batch; what on_batch raises is kept in
+    `failure` (an exception cannot cross C) and ends the decode."""
+
+    @mtmd.mtmd_helper_post_decode_callback
+    def relay(batch: ctypes._Pointer, user_data: ctypes.c_void_p) -> int:
+        try:
+            on_batch(_embedding_batch(batch.contents))
+        except BaseException as err:
+            failure.append(err)
+            return 1
+        return 0
+
+    return relay
 
 
 def _embedding_batch(batch: mtmd.mtmd_helper_embd_batch) -> EmbeddingBatch:
