@@ -26,7 +26,7 @@ import numpy as np
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs, verify_cost
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import GREEDY

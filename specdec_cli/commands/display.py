@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import Any, Protocol, TextIO
 
 from rich.console import Console, Group
 from rich.live import Live
@@ -25,19 +25,10 @@ from rich.progress import (
 from rich.table import Table
 from rich.text import Text
 
+from specdec_cli.commands.bench import BenchReport
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
-
-if TYPE_CHECKING:  # bench reads its prompts through prompts.py, which warns through here
-    from specdec_cli.commands.bench import BenchReport
-
-
-def warn(message: str) -> None:
-    print(f"specdec: warning: {message}", file=sys.stderr)
-
-
-def note(message: str) -> None:
-    print(f"specdec: {message}", file=sys.stderr)
+from specdec_cli.messages import warn
 
 
 def stats_line(stats: Stats, width: int, final: bool = False) -> Text:

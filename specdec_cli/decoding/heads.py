@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specdec_cli.decoding.drafters import Draft, DraftSteps, KeepDrafting, ModelDrafter, TreeShape
+from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import HeadContext, HiddenStates
 from specdec_cli.llamacpp.llama import common_prefix
