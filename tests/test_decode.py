@@ -342,7 +342,10 @@ def test_greedy_stories260k(stories260k: Path, stories_reference, k: int) -> Non
         with open_engine(stories260k, draft, k) as engine:
             out, stats = generate(engine, n_predict=128)
         assert out == stories_reference
-        assert stats.accepted > 0
+        # -k auto learns the time of a round from the clock (the costs are pinned, the
+        # machine's speed is not): on a loaded machine it may draft no more than its
+        # probes, which can all miss; a fixed k drafts every round.
+        assert stats.accepted > 0 if k != "auto" else stats.drafted > 0
 
 
 def test_drafts_longer_than_a_batch_are_cut_to_one(stories260k: Path) -> None:
