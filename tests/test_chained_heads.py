@@ -31,7 +31,8 @@ from test_heads import (
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draftlength import RoundCosts
 from specdec_cli.decoding.heads import ChainedHeadDrafter
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.heads import ChainedMtpHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_HEADS = 3
@@ -125,16 +126,16 @@ def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
 
 
 @contextmanager
-def fresh_head(path: Path, text: list[int]) -> Iterator[tuple[HeadContext, np.ndarray]]:
+def fresh_head(path: Path, text: list[int]) -> Iterator[tuple[ChainedMtpHead, np.ndarray]]:
     """A fresh head context and the states a fresh target gave for `text` (it read all
     but the last token, as in a round)."""
     model = Model(path, ModelParams(load_mtp=True))
     target = Context(model, ContextParams(256, 1, "off"))
-    head = HeadContext(target, 1)
+    head = ChainedMtpHead(target, 1)
     try:
         states = record_hidden_states(target)
         target.decode(text[:-1], 0)
-        yield head, states.before(0, len(text))
+        yield head, states.after(-1, len(text) - 1)
     finally:
         head.close()
         target.close()

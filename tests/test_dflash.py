@@ -35,7 +35,8 @@ from test_heads import (
 
 from specdec_cli.decoding.heads import BlockDrafter
 from specdec_cli.decoding.sampling import GREEDY
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.heads import DFlashHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_PREDICT = 48
@@ -133,14 +134,14 @@ class _FreshPair:
         self.head_model = Model(head, ModelParams())
         self.target = Context(self.model, ContextParams(256, 1, "off"))
         self.states = record_hidden_states(self.target, [1, 3])
-        self.head = HeadContext(self.target, 1, self.head_model, "dflash")
+        self.head = DFlashHead(self.target, 1, self.head_model, 16)
 
     def block_logits_after(self, tokens: list[int], k: int) -> list[np.ndarray]:
         self.target.decode(tokens[:-1], 0)
-        self.head.inject(tokens[:-1], self.states.before(1, len(tokens)))
+        self.head.inject(tokens[:-1], self.states.after(0, len(tokens) - 1))
         self.head.stage_block(tokens[-1], k)
         self.head.flush()
-        return [self.head.block_logits(i).copy() for i in range(1, k + 1)]
+        return [self.head.logits(i).copy() for i in range(1, k + 1)]
 
     def close(self) -> None:
         for owned in (self.head, self.target, self.head_model, self.model):
@@ -158,7 +159,7 @@ def test_after_a_partial_acceptance_dflash_drafts_as_fresh_contexts(
 
     def drafting(self, tokens, k, rng, *args, **kwargs):
         draft = yield from original(self, tokens, k, rng, *args, **kwargs)
-        rows = [self.head.block_logits(i).copy() for i in range(1, 5)] if k == 4 else []
+        rows = [self.head.logits(i).copy() for i in range(1, 5)] if k == 4 else []
         seen.append((list(tokens), rows))
         return draft
 
@@ -173,7 +174,7 @@ def test_after_a_partial_acceptance_dflash_drafts_as_fresh_contexts(
         for tokens, rows in seen[1:]:
             if not rows:
                 continue
-            fresh.target.trim(0)
+            fresh.target.rewind(0)
             fresh.head.rewind(0)
             fresh.head.drop_block()
             for got, expected in zip(rows, fresh.block_logits_after(tokens, 4), strict=True):

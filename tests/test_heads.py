@@ -37,8 +37,9 @@ from specdec_cli.decoding.heads import HeadDrafter
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp import heads
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp import hiddenstates
+from specdec_cli.llamacpp.heads import MtpHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_PREDICT = 64
@@ -173,8 +174,8 @@ def assert_a_long_prompt_drafts(target: Path, drafting: Callable[[], Engine]) ->
 def without_target_states(monkeypatch: pytest.MonkeyPatch) -> None:
     """The controls: zeros in place of the target's states, for every head."""
     monkeypatch.setattr(
-        heads.HiddenStates,
-        "before",
+        hiddenstates.HiddenStates,
+        "after",
         lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
     )
 
@@ -200,14 +201,14 @@ class _FreshPair:
     def __init__(self, path: Path) -> None:
         self.model = Model(path, ModelParams(load_mtp=True))
         self.target = Context(self.model, ContextParams(256, 1, "off", n_rs_seq=8))
-        self.head = HeadContext(self.target, 1)
+        self.head = MtpHead(self.target, 1)
         self.states = record_hidden_states(self.target)
 
     def head_logits_after(self, tokens: list[int]) -> np.ndarray:
         """The head's logits drafting the token after `tokens` (the target has read all
         but the last, as in a round)."""
         self.target.decode(tokens[:-1], 0)
-        self.head.stage(tokens, hidden=self.states.before(0, len(tokens)))
+        self.head.stage(tokens, hidden=self.states.after(-1, len(tokens) - 1))
         self.head.flush()
         return self.head.logits().copy()
 
@@ -253,7 +254,7 @@ def test_after_a_partial_acceptance_the_head_drafts_as_fresh_contexts(mtp_model:
     try:
         checked = 0
         for tokens, logits in seen[1:]:
-            fresh.target.trim(0)
+            fresh.target.rewind(0)
             fresh.head.rewind(0)
             expected = fresh.head_logits_after(tokens)
             np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)

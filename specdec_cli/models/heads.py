@@ -44,11 +44,6 @@ CHAINED_MTP_ARCHITECTURES = frozenset(
 )
 
 
-# Those whose MTP graph gives a state for the rows with logits only (it gathers them
-# first): the others give one for every row.
-MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
-
-
 def describe_head(file: GGUFFile) -> dict[str, object]:
     """What `specdec info` and `check` say of a model's own drafting head, or of an
     EAGLE-3 file: the method, how many heads, which target layers' outputs (MTP) or
