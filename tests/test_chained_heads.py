@@ -31,6 +31,7 @@ from test_heads import (
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draftlength import RoundCosts
 from specdec_cli.decoding.heads import ChainedHeadDrafter
+from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.heads import ChainedMtpHead
 from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
@@ -102,6 +103,26 @@ def test_greedy_in_four_slots(chained, reference: list[int]) -> None:
     for slot, out in enumerate(outs):
         assert out == reference[: 48 - 4 * slot]
     assert sum(g.stats.accepted for g in runs) > 0
+
+
+def test_greedy_in_sixteen_slots_of_a_small_batch(chained, reference: list[int]) -> None:
+    """-np 16 -b 32: a slot's share of a call (2 tokens) is less than its 3 blocks need, a
+    sequence and a row each. Each slot's blocks keep sequences of their own (the head's
+    sequences were capped at the batch, and a slot's last block wrote into the next
+    slot's), and every text is the target's."""
+    with open_engine(chained[0], 3, parallel=16, n_batch=32) as engine:
+        outs, runs = run_in_slots(engine, [24 - slot for slot in range(16)])
+    for slot, out in enumerate(outs):
+        assert out == reference[: 24 - slot]
+    assert sum(g.stats.accepted for g in runs) > 0
+
+
+def test_more_sequences_than_llama_cpp_holds_are_refused(tmp_path: Path) -> None:
+    """64 slots of 5 chained blocks need 320 sequences, llama.cpp holds 256: one line."""
+    path = tmp_path / "mimo2-five.gguf"
+    write_chained_known_answer(path, spm_vocab(), seed=3, n_heads=5)
+    with pytest.raises(UserError, match="-np 64: the drafting head needs 5 sequences a slot, "):
+        open_engine(path, 3, parallel=64)
 
 
 @contextmanager

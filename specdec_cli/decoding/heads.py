@@ -251,8 +251,10 @@ class ChainedHeadDrafter(HeadDrafter):
         head.tokens[n_keep:] = read  # what every block holds after this round, drafts aside
         for block in range(head.n_heads):
             head.forget_head(block, n_keep)  # and its draft rows of last round
-        # What a call cannot hold beside the drafts (a prompt): every block's, now.
-        early = max(0, len(read) + head.n_heads - head.n_batch)
+        # What a call cannot hold beside the drafts (a prompt): every block's, now. The
+        # last block's call holds what is left of `read` and a draft from each block but
+        # itself; each call holds the text's last token at least.
+        early = max(0, len(read) + head.n_heads - 1 - head.n_batch)
         if early:
             for block in range(head.n_heads):
                 head.catch_up_head(block, read[:early], n_keep, states[:early])

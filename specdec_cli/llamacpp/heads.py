@@ -49,7 +49,7 @@ from llama_cpp import llama_cpp_ext
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.headbatch import HeadBatch, Rows, rows_after
 from specdec_cli.llamacpp.hiddenstates import floats_at
-from specdec_cli.llamacpp.llama import FLASH_ATTN, Context, Model
+from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context, Model
 
 # The architectures whose MTP graph gives a state for the rows with logits only (it
 # gathers them first): the others give one for every row.
@@ -92,7 +92,10 @@ class HeadContext:
         cparams = llama_cpp.llama_context_default_params()
         # Room for the target's text in each of a slot's sequences that holds it whole.
         cparams.n_ctx = llama_cpp.llama_n_ctx(target.ptr) * self.n_heads
-        cparams.n_batch = target.n_batch
+        # llama.cpp keeps an output row per sequence, and no more rows than a batch has;
+        # a slot's share of a call then holds a row in each of its sequences (chained
+        # blocks: the text's last token and a draft a block).
+        cparams.n_batch = max(target.n_batch, n_seq_max)
         cparams.n_ubatch = min(target.n_batch, llama_cpp.llama_n_ubatch(target.ptr))
         cparams.n_seq_max = n_seq_max
         cparams.kv_unified = n_seq_max > 1  # branches share the cells of their path
@@ -131,10 +134,15 @@ class HeadContext:
         return None
 
     def _sequences(self, target: Context, n_slots: int, seqs_per_slot: int) -> int:
-        """The sequences its llama.cpp context holds: each slot's, as far as a batch has
-        rows (llama.cpp keeps an output row per sequence, and no more rows than a batch
-        has)."""
-        return min(n_slots * seqs_per_slot, target.n_batch)
+        """The sequences its llama.cpp context holds: each slot's."""
+        wanted = n_slots * seqs_per_slot
+        if wanted > LLAMA_MAX_SEQ:
+            raise UserError(
+                f"-np {n_slots}: the drafting head needs {seqs_per_slot} sequences a slot, "
+                f"{wanted} in all, and llama.cpp holds at most {LLAMA_MAX_SEQ}; use -np "
+                f"{LLAMA_MAX_SEQ // seqs_per_slot} or fewer"
+            )
+        return wanted
 
     def _state_width(self, model: Model) -> int:
         """The width of the states it reads and gives."""
