@@ -10,13 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ggufgen import spm_vocab
+from ggufgen import read_f32_model, spm_vocab, write_gguf, write_mtp_sidecar
 from mimo2gen import ChainedKnownAnswer, write_chained_known_answer
 from test_cli_run import specdec
 from test_decode import PROMPT, SAMPLING
 from test_heads import (
     _MislabelledHead,
     assert_a_long_prompt_drafts,
+    assert_refused_in_one_line,
     assert_sampled_like_the_target,
     assert_served_in_two_slots,
     expected_rounds,
@@ -24,6 +25,7 @@ from test_heads import (
     llama_cpp_counts,
     llama_cpp_rounds,
     open_engine,
+    open_with_head_file,
     run_in_slots,
     without_target_states,
 )
@@ -226,6 +228,28 @@ def test_sampled_chain_matches_target_distribution(spread: Path) -> None:
     with open_engine(spread, 3, SAMPLING) as engine:
         assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
         assert_sampled_like_the_target(engine, _MislabelledChain)
+
+
+def test_a_sidecar_of_other_blocks_is_refused(chained, reference, tmp_path: Path) -> None:
+    """The blocks alone in a sidecar draft as the model's own. One missing its first block
+    (llama.cpp then took every block for optional and aborted at the first draft), or
+    holding the blocks of a model of other depth, is refused in one line, before
+    anything loads."""
+    path = chained[0]
+    sidecar = write_mtp_sidecar(tmp_path / "mtp.gguf", path)
+    with open_with_head_file(path, sidecar, 3) as engine:
+        assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
+        out, stats = generate(engine, n=24)
+    assert out == reference[:24] and stats.accepted > 0
+    metadata, tensors = read_f32_model(sidecar)
+    first_gone = {name: w for name, w in tensors.items() if not name.startswith("blk.2.")}
+    missing = write_gguf(tmp_path / "missing.gguf", metadata, first_gone)
+    assert_refused_in_one_line(path, missing, "missing.gguf has no MTP block 2")
+    deeper = tmp_path / "deeper.gguf"
+    write_chained_known_answer(deeper, spm_vocab(), seed=3, n_heads=N_HEADS, n_layer=3)
+    other = write_mtp_sidecar(tmp_path / "other.gguf", deeper)
+    message = f"other.gguf is the MTP of a model of 3 layers, {path.name} has 2"
+    assert_refused_in_one_line(path, other, message)
 
 
 def test_info_check_and_a_tree_refused(chained) -> None:

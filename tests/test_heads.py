@@ -16,12 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValue, GGUFValueType
 from ggufgen import (
     Eagle3KnownAnswer,
     KnownAnswer,
     Qwen35Params,
+    read_f32_model,
     spm_vocab,
     write_eagle3_known_answer,
+    write_gguf,
     write_mtp_known_answer,
     write_mtp_sidecar,
     write_qwen35_model,
@@ -627,6 +630,69 @@ def test_an_eagle3_head_for_another_target_is_refused(eagle3_pair, target_model:
         [0, 1, 2],
         None,
     )
+
+
+def rewritten(path: Path, out: Path, keys=None, tensors=None) -> Path:
+    """The F32 file at `path` written again at `out`, with these metadata keys and
+    tensors put in (added, or in place of its own)."""
+    metadata, weights = read_f32_model(path)
+    return write_gguf(out, metadata | (keys or {}), weights | (tensors or {}))
+
+
+def assert_refused_in_one_line(target: Path, head: Path, message: str) -> None:
+    """`specdec run -m TARGET -d HEAD` exits 2 with one line saying `message`."""
+    result = specdec("run", "-m", str(target), "-d", str(head), "-p", "Once", "-n", "4")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_eagle3_vocabulary_map_is_checked(eagle3_pair, tmp_path: Path) -> None:
+    """A d2t (the target's id of each token a head predicts) in range drafts as the file
+    without one; one naming an id past the target's vocabulary (llama.cpp writes the row
+    there: it aborted) or not I64 (llama.cpp asserts) is refused in one line, before
+    anything loads."""
+    target, head, ka = eagle3_pair
+    n = read_f32_model(head)[1]["output.weight"].shape[0]
+    identity = rewritten(head, tmp_path / "d2t.gguf", tensors={"d2t": np.arange(n)})
+    with open_with_head_file(target, identity, 3) as engine:
+        prompt = engine.tokenize(PROMPT)
+        stats = generate(engine, n=24)[1]
+    assert (stats.drafted, stats.accepted) == expected_rounds(
+        ka.succ, partial(eagle3_drafts, ka), prompt, 24, 3, stats
+    )
+    past = np.arange(n)
+    past[5] = n
+    for ids, message in (
+        (past, f"d2t maps its token 5 to id {n}, outside target.gguf's {n} tokens"),
+        (np.arange(n, dtype=np.int32), f"d2t is I32 of shape [{n}]; llama.cpp takes"),
+    ):
+        bad = rewritten(head, tmp_path / "bad.gguf", tensors={"d2t": ids})
+        assert_refused_in_one_line(target, bad, message)
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        GGUFValue(["0", "1", "2"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        GGUFValue([0.0, 1.0, 2.0], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+        GGUFValue(2, GGUFValueType.UINT32),
+    ],
+)
+def test_target_layers_that_are_not_layer_numbers_are_refused(
+    eagle3_pair, tmp_path: Path, layers: GGUFValue
+) -> None:
+    """run refuses them in one line, check says so, info reads the file (all three ended
+    in a traceback)."""
+    target, head, _ = eagle3_pair
+    bad = rewritten(head, tmp_path / "bad.gguf", keys={"eagle3.target_layers": layers})
+    message = "bad.gguf's eagle3.target_layers is "
+    assert_refused_in_one_line(target, bad, message)
+    check = specdec("check", "-m", str(target), "-d", str(bad), "--json")
+    assert check.returncode == 1, check.stderr
+    assert message in json.loads(check.stdout)["problem"]
+    info = specdec("info", str(bad))
+    assert info.returncode == 0, info.stderr
 
 
 def test_measuring_costs_prices_a_head_step(mtp_model: Path) -> None:
