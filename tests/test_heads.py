@@ -183,18 +183,30 @@ def without_target_states(monkeypatch: pytest.MonkeyPatch) -> None:
     )
 
 
-def test_the_head_reads_the_targets_hidden_states(
-    mtp_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The head's drafts depend on the hidden states it is given: with zeros in place of
-    the target's, it drafts otherwise (this random head is not worse for it: the
-    known-answer model's test shows the states are the right ones)."""
-    with open_engine(mtp_model, 3) as engine:
-        good = generate(engine)[1]
-    without_target_states(monkeypatch)
-    with open_engine(mtp_model, 3) as engine:
-        blind = generate(engine)[1]
-    assert (blind.drafted, blind.accepted) != (good.drafted, good.accepted)
+def test_the_head_reads_the_targets_hidden_states(known_answer, monkeypatch) -> None:
+    """Every round's first draft is the known-answer head's for the target's state after
+    the token before the last (head_drafts: the tables). The control records each state
+    one position late, so that a row reads the state after the token two before it: every
+    first draft is then the tables' answer for that state, another token in most rounds."""
+    path, ka = known_answer
+
+    def first_drafts() -> list[tuple[list[int], int]]:
+        with first_step_logits(HeadDrafter) as seen, open_engine(path, 3) as engine:
+            generate(engine, n=32)
+        return [(tokens, int(np.argmax(logits))) for tokens, logits in seen]
+
+    right = first_drafts()
+    assert len(right) > 5
+    assert all(draft == head_drafts(ka, tokens, 1)[0] for tokens, draft in right)
+    record = hiddenstates.HiddenStates.record
+    monkeypatch.setattr(
+        hiddenstates.HiddenStates,
+        "record",
+        lambda self, pos, blocks: record(self, pos + 1, blocks),
+    )
+    late = first_drafts()
+    assert all(draft == head_drafts(ka, tokens[-3::2], 1)[0] for tokens, draft in late)
+    assert sum(draft != head_drafts(ka, tokens, 1)[0] for tokens, draft in late) > len(late) / 2
 
 
 class _FreshPair:
