@@ -221,13 +221,19 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _MislabelledChain(_MislabelledHead, ChainedHeadDrafter):
-    """The negative control: draws from its q, tells the verifier another."""
+    """The negative control: its last block draws from its q and tells the verifier
+    another (the blocks before it are right)."""
+
+    from_depth = N_HEADS - 1
 
 
 def test_sampled_chain_matches_target_distribution(spread: Path) -> None:
-    with open_engine(spread, 3, SAMPLING) as engine:
+    """The first tokens of many seeded runs, each block drafting (the last one the fourth
+    token), against target-only; the negative control, wrong in its last block alone,
+    must be told apart."""
+    with open_engine(spread, N_HEADS, SAMPLING) as engine:
         assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
-        assert_sampled_like_the_target(engine, _MislabelledChain)
+        assert_sampled_like_the_target(engine, _MislabelledChain, n_first=N_HEADS + 2)
 
 
 def test_a_sidecar_of_other_blocks_is_refused(chained, reference, tmp_path: Path) -> None:

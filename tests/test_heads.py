@@ -284,10 +284,15 @@ N_RUNS = 1500
 
 class _MislabelledHead(HeadDrafter):
     """A broken head, for the negative control: it draws each token from its q but tells
-    the verifier another distribution (q at a lower temperature)."""
+    the verifier another distribution (q at a lower temperature), from its draft's
+    `from_depth`-th token on (0: the first; a chain's drafts so far are its path)."""
 
-    def children(self, logits, rng, n, need_confidence, position=0, *rest):
-        ids, probs, dists = super().children(logits, rng, n, need_confidence, position, *rest)
+    from_depth = 0
+
+    def children(self, logits, rng, n, need_confidence, position=0, path=()):
+        ids, probs, dists = super().children(logits, rng, n, need_confidence, position, path)
+        if len(path) < self.from_depth:
+            return ids, probs, dists
         sharper = SamplingParams(temp=self.sampling.temp / 3, top_k=20, top_p=0.95, min_p=0.0)
         return ids, probs, [distribution(logits, sharper) if d is not None else d for d in dists]
 
@@ -300,17 +305,19 @@ def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
 
 
 def assert_sampled_like_the_target(
-    engine: Engine, mislabelled: type[HeadDrafter], runs: int = N_RUNS
+    engine: Engine, mislabelled: type[HeadDrafter], runs: int = N_RUNS, n_first: int = N_FIRST
 ) -> None:
-    """First tokens of `runs` seeded runs of the engine's head against target-only, by
-    chi-square; then the negative control: the head replaced by `mislabelled` (drafting
-    otherwise than the q it tells the verifier), which must be told apart."""
-    baseline = first_tokens(engine, range(runs), engine.make_decoder(None, "1"))
-    speculative = first_tokens(engine, range(runs, 2 * runs))
+    """The first `n_first` tokens of `runs` seeded runs of the engine's head against
+    target-only, by chi-square; then the negative control: the head replaced by
+    `mislabelled` (drafting otherwise than the q it tells the verifier), which must be
+    told apart. After the prompt's token a round drafts k deep only where k + 1 tokens
+    are still to come: generations of k + 2 tokens reach every depth."""
+    baseline = first_tokens(engine, range(runs), engine.make_decoder(None, "1"), n_first, n_first)
+    speculative = first_tokens(engine, range(runs, 2 * runs), None, n_first, n_first)
     decoder = engine.decoder
     head = decoder.drafter
     decoder.drafter = mislabelled(head.head, head.states, head.sampling)
-    broken = first_tokens(engine, range(2 * runs, 3 * runs))
+    broken = first_tokens(engine, range(2 * runs, 3 * runs), None, n_first, n_first)
     assert_same_distribution(baseline, speculative, broken)
 
 
@@ -318,13 +325,16 @@ def assert_same_distribution(
     baseline: np.ndarray, speculative: np.ndarray, broken: np.ndarray
 ) -> None:
     """First tokens of seeded runs: the speculative ones as the target's alone by
-    chi-square, the negative control's told apart."""
-    for position in range(N_FIRST):
+    chi-square, at every position; the negative control's told apart at some position."""
+    positions = range(baseline.shape[1])
+    for position in positions:
         table = contingency(baseline[:, position], speculative[:, position])
         assert table.shape[1] > 3
         assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
     # Position 0 comes with the prompt, undrafted: the control shows after it.
-    controls = [chi2_contingency(contingency(baseline[:, p], broken[:, p])).pvalue for p in (1, 2)]
+    controls = [
+        chi2_contingency(contingency(baseline[:, p], broken[:, p])).pvalue for p in positions[1:]
+    ]
     assert min(controls) < 1e-3
 
 
