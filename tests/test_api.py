@@ -17,7 +17,8 @@ from specdec_cli.serve.api import (
     parse_body,
     parse_request,
 )
-from specdec_cli.serve.server import Api, Service
+from specdec_cli.serve.routes import Api
+from specdec_cli.serve.service import Service
 
 SERVER = SamplingParams(temp=0.7, top_k=7, top_p=0.9, min_p=0.1)
 

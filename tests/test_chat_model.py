@@ -5,6 +5,7 @@ turn, and a second turn of a conversation reuses the first's cached prompt."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,14 @@ from specdec_cli.models import jinja
 from specdec_cli.models.chat import Message, render
 
 QUESTION = "What is the capital of France?"
-# Without a system message of its own the template writes a default one, after which this
-# small model (as llama-cpp-python runs it too) answers the question with a French word list.
+# A question this small model answers by a wide margin at every token, "The capital of
+# Japan is Tokyo." (2.5 logits or more here): that France's capital is Paris it says or not
+# by machine (after SYSTEM its first token, "La" or "The", is a near tie: 0.13 logits).
+FACT_QUESTION, FACT = "What is the capital of Japan?", "Tokyo"
 SYSTEM = "You are a helpful assistant."
+# A margin no CPU's kernels move: llama.cpp's move this model's logits by 0.08-0.13
+# between batch shapes; greedy texts may part where two tokens are nearer than TIE.
+WHOLE_LOGIT, TIE = 1.0, 0.5
 SYSTEM_AND_USER = [
     Message("system", "You are a concise geography tutor."),
     Message("user", QUESTION),
@@ -106,13 +112,52 @@ def test_its_template_renders_as_transformers_does(
         assert expected.startswith("<|im_start|>system\nYou are a helpful AI assistant")
 
 
-def test_run_chat_answers_in_its_format(smollm2: Path) -> None:
-    args = ["run", "-m", str(smollm2), "--chat", "--system", SYSTEM, "-p", QUESTION]
-    args += ["--temp", "0", "-n", "24"]
-    result = specdec(*args, "-d", "ngram", *QUICK)
+def margins(top_logprobs: list[list[float]]) -> list[float]:
+    """Each greedy token's lead over the runner-up, from its two likeliest log-probabilities."""
+    return [top[0] - top[1] for top in top_logprobs]
+
+
+def assert_the_fact_by_whole_logits(text_pieces: list[str], leads: list[float]) -> None:
+    """FACT is in the answer, and every token up to it won by a whole logit: a fact that no
+    machine's kernels can turn."""
+    text = "".join(text_pieces)
+    assert FACT in text, text
+    upto = next(i for i in range(len(text_pieces)) if FACT in "".join(text_pieces[: i + 1]))
+    assert min(leads[: upto + 1]) >= WHOLE_LOGIT, list(zip(text_pieces, leads, strict=True))
+
+
+def assert_equal_but_for_a_near_tie(ours: list[dict], alone: list[dict]) -> None:
+    """Two greedy runs' --json-tokens records: the same tokens, or the same up to a token
+    where both runs put the two candidates within TIE (batch shapes break such ties either
+    way on some CPU; a defect parts texts by whole logits)."""
+    for mine, theirs in zip(ours, alone, strict=False):
+        if mine["id"] != theirs["id"]:
+            for record, other in ((mine, theirs["id"]), (theirs, mine["id"])):
+                top = {t["id"]: t["logprob"] for t in record["top_logprobs"]}
+                assert other in top and record["logprob"] - top[other] <= TIE, record
+            return
+    assert len(ours) == len(alone)
+
+
+def run_chat(smollm2: Path, draft: str) -> dict[str, Any]:
+    args = ["run", "-m", str(smollm2), "--chat", "--system", SYSTEM, "-p", FACT_QUESTION]
+    result = specdec(*args, "--temp", "0", "-n", "24", "--logprobs", "2", "-d", draft, *QUICK)
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
-    assert not any(mark in result.stdout for mark in MARKUP), result.stdout
+    return json.loads(result.stdout)
+
+
+def test_run_chat_answers_in_its_format(smollm2: Path) -> None:
+    """The answer ends at the end of turn, without the template's markup, drafted or not;
+    the drafted text is the target's own (but for near ties); the fact it states, where
+    it wins by whole logits."""
+    ours, alone = run_chat(smollm2, "ngram"), run_chat(smollm2, "none")
+    for record in (ours, alone):
+        assert record["stop_reason"] == "eos"
+        assert not any(mark in record["text"] for mark in MARKUP), record["text"]
+    assert_equal_but_for_a_near_tie(ours["token_list"], alone["token_list"])
+    tokens = alone["token_list"]
+    leads = margins([[t["logprob"] for t in record["top_logprobs"]] for record in tokens])
+    assert_the_fact_by_whole_logits([record["text"] for record in tokens], leads)
 
 
 @pytest.fixture(scope="module")
@@ -138,15 +183,24 @@ MAX_TOKENS = 48  # far more than the answer takes: it ends at <|im_end|>, not he
 def test_serve_chat_ends_at_the_end_of_turn(client: openai.OpenAI) -> None:
     chat = client.chat.completions.create(
         model="smollm2",
-        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}],
+        messages=[
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": FACT_QUESTION},
+        ],
         max_tokens=MAX_TOKENS,
         temperature=0,
+        logprobs=True,
+        top_logprobs=2,
     )
     choice = chat.choices[0]
-    assert choice.message.content is not None and "Paris" in choice.message.content
+    assert choice.message.content is not None
     assert not any(mark in choice.message.content for mark in MARKUP)
     assert choice.finish_reason == "stop"
     assert chat.usage is not None and chat.usage.completion_tokens < MAX_TOKENS
+    assert choice.logprobs is not None and choice.logprobs.content is not None
+    tokens = choice.logprobs.content
+    leads = margins([[t.logprob for t in token.top_logprobs] for token in tokens])
+    assert_the_fact_by_whole_logits([token.token for token in tokens], leads)
 
 
 def test_second_turn_reuses_the_first_turns_prompt(client: openai.OpenAI) -> None:

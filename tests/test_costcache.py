@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specdec_cli.decoding.costmodel import Costs, median_costs
+from specdec_cli.decoding.costmodel import Costs, load_costs, median_costs, save_costs
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.loading import cost_sizes
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
@@ -21,33 +21,33 @@ COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
 
 
 def test_saved_costs_load_unchanged(cache: Path) -> None:
-    assert costcache.load("abc") == []
-    costcache.save("abc", [COSTS])
-    assert costcache.load("abc") == [COSTS]
+    assert load_costs("abc") == []
+    save_costs("abc", [COSTS])
+    assert load_costs("abc") == [COSTS]
     assert len(list(cache.rglob("*.json"))) == 1
 
 
 def test_the_last_few_measurements_are_kept(cache: Path) -> None:
     measured = [Costs(0.001 * i, 0.04, {1: 1.0, 2: 0.8}, 0.1) for i in range(5)]
-    costcache.save("abc", measured)
-    assert costcache.load("abc") == measured[-costcache.MEASUREMENTS :]
+    save_costs("abc", measured)
+    assert load_costs("abc") == measured[-costcache.MEASUREMENTS :]
 
 
 def test_a_damaged_entry_is_measured_again(cache: Path) -> None:
-    costcache.save("abc", [COSTS])
+    save_costs("abc", [COSTS])
     (entry,) = cache.rglob("*.json")
     entry.write_text('{"measurements": [{"target_seconds": "fast"}]}')
-    assert costcache.load("abc") == []
+    assert load_costs("abc") == []
     entry.write_text('{"target_seconds": 0.004')
-    assert costcache.load("abc") == []
+    assert load_costs("abc") == []
 
 
 def test_an_unwritable_cache_is_no_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("SPECDEC_CACHE_DIR", str(blocker / "cache"))  # under a file
-    costcache.save("abc", [COSTS])
-    assert costcache.load("abc") == []
+    save_costs("abc", [COSTS])
+    assert load_costs("abc") == []
 
 
 def test_cache_dir_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -78,10 +78,10 @@ def test_key_names_the_llama_cpp_build(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_other_entries_live_beside_the_costs(cache: Path) -> None:
-    costcache.save("abc", [COSTS])
+    save_costs("abc", [COSTS])
     costcache.save_entry("flash_attn", "abc", {"used": "off"})
     assert costcache.load_entry("flash_attn", "abc") == {"used": "off"}
-    assert costcache.load("abc") == [COSTS]  # same key, another kind: no clash
+    assert load_costs("abc") == [COSTS]  # same key, another kind: no clash
     assert costcache.load_entry("probe", "abc") is None
 
 
@@ -116,7 +116,7 @@ def test_engines_measure_a_few_times_per_settings(
     with monkeypatch.context() as patch:
         patch.setattr(Engine, "measure_costs", must_not_measure)
         with auto_engine(target_model, draft_model, threads=1) as again:
-            kept = costcache.load(next(cache.glob("costs/*.json")).stem)
+            kept = load_costs(next(cache.glob("costs/*.json")).stem)
             assert len(kept) == costcache.MEASUREMENTS
             assert again.costs() == median_costs(kept)
     with auto_engine(target_model, draft_model, threads=2) as other:  # other settings

@@ -33,9 +33,10 @@ from scipy.stats import chi2_contingency, chisquare
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder, step
-from specdec_cli.decoding.drafters import Draft, DraftSteps, NgramDrafter
+from specdec_cli.decoding.draft import Draft, DraftSteps
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.policy import VERBATIM_PRIOR
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
@@ -153,7 +154,7 @@ def test_greedy_smaller_draft(
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_greedy_q8_0(q8_pair: tuple[Path, Path], k: int | str) -> None:
     """Quantized weights: on this pair no near-tie falls the other way between a one-token
-    batch and a batch of k+1 (see the README, What "exactly" means)."""
+    batch and a batch of k+1 (see docs/exactness.md, "llama.cpp's numerics")."""
     target, draft = q8_pair
     with open_engine(target, draft, k) as engine:
         out, stats = generate(engine)

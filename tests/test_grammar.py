@@ -21,9 +21,9 @@ from test_tools import tool_model  # noqa: F401 (a fixture)
 
 from specdec_cli.decoding import decode
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.grammar import MAX_GRAMMAR_BYTES, Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
@@ -465,7 +465,7 @@ def test_serve_response_format_json_schema(grammar_server) -> None:
         jsonschema.validate(json.loads(content), SCHEMA)
 
 
-def test_serve_llama_server_fields_and_json_object(grammar_server, target_model: Path) -> None:
+def test_serve_llama_server_fields(grammar_server, target_model: Path) -> None:
     import httpx
 
     grammar = Grammar.gbnf('root ::= ("yes" | "no") (" " ("yes" | "no"))*')
@@ -477,9 +477,36 @@ def test_serve_llama_server_fields_and_json_object(grammar_server, target_model:
     assert reply["choices"][0]["text"] == reference
     reply = httpx.post(url, json={**body, "max_tokens": 96, "json_schema": SCHEMA}, timeout=60)
     jsonschema.validate(json.loads(reply.json()["choices"][0]["text"]), SCHEMA)
-    fmt = {"type": "json_object"}
-    reply = httpx.post(url, json={**body, "max_tokens": 200, "response_format": fmt}, timeout=60)
-    assert reply.json()["choices"][0]["text"].lstrip().startswith("{")
+
+
+# A model that answers "Go:" with an object and then runs on past it (see
+# ggufgen.scripted_model): the random pair's objects never end (a key of free text).
+OBJECT = '{"answer": 42}'
+OBJECT_PIECES = ["Go:", OBJECT, " and more"]
+OBJECT_SCRIPT = {"Go:": OBJECT, OBJECT: " and more"}
+
+
+@pytest.fixture(scope="module")
+def object_server(tmp_path_factory: pytest.TempPathFactory):
+    from ggufgen import scripted_model
+    from test_server import start
+
+    folder = tmp_path_factory.mktemp("serve-object")
+    model = scripted_model(folder / "object.gguf", OBJECT_PIECES, OBJECT_SCRIPT, TOOLS_TEMPLATE)
+    proc = start(folder, "-m", str(model), "-d", "ngram", "--temp", "0")
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def test_serve_json_object_is_a_whole_object(object_server) -> None:
+    """The reply parses as a JSON object and ends there; unconstrained, the same model
+    writes on past it."""
+    json_object = {"response_format": {"type": "json_object"}}
+    (choice,) = complete(object_server, {"prompt": "Go:", **json_object}).json()["choices"]
+    assert json.loads(choice["text"]) == {"answer": 42}
+    assert choice["finish_reason"] == "stop"
+    (free,) = complete(object_server, {"prompt": "Go:"}).json()["choices"]
+    assert free["text"] == OBJECT + " and more"
 
 
 @pytest.mark.parametrize(
@@ -514,27 +541,6 @@ def assert_refused(reply, *words: str) -> None:
     assert message and "\n" not in message
     for word in words:
         assert word in message, message
-
-
-def test_post_sampling_logprobs_are_the_masked_distribution(
-    target_model: Path, draft_model: Path
-) -> None:
-    grammar = Grammar.gbnf(NO_R)
-    options = LogprobOptions(top=8, post_sampling=True)
-    with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
-        decoder = engine.make_decoder("model", "3")
-        prompt = engine.tokenize(REPEATING_PROMPT)
-        entries = []
-        rng = np.random.default_rng(0)
-        for new in decoder.generate(prompt, 32, rng, Stats(), None, options, grammar):
-            assert new.logprobs is not None
-            entries += new.logprobs
-        for entry in entries:
-            assert np.isfinite(entry.logprob)
-            alternatives = [t for t, logprob in entry.top if np.isfinite(logprob)]
-            assert alternatives
-            assert all(b"r" not in engine.model.piece(t) for t in alternatives)
-    assert len(entries) == 32
 
 
 def test_coupled_sampled_text_equals_constrained_target_only(
@@ -870,7 +876,13 @@ HOSTILE = {
     ),
     "$ref chain 5000 deep": (ref_chain(5000), ["nests too deeply", "5004 levels", "$ref"]),
     "nesting 600 deep": (nested_arrays(600), ["nests too deeply", "601 levels"]),
-    "1 MB schema too large": (many_properties(25000), ["JSON schema is too large", "smaller"]),
+    "schema too large for llguidance": (
+        {"anyOf": [{}] * 60000},  # 180 kB: past its 50,000 subschemas
+        ["JSON schema is too large for llguidance", "smaller"],
+    ),
+    "1 MB schema": (many_properties(25000), ["JSON schema is 1,", "bytes", "256 KiB"]),
+    "1 MB grammar": ("root ::= " + "[" * MEGABYTE, ["grammar is 1,", "bytes", "256 KiB"]),
+    "unclosed string": ('root ::= "' + '\\"' * 100000, ["does not parse", "not closed"]),
     "rule chain 3000 deep": (rule_chain(3000), ["grammar nests too deeply", "3002 levels"]),
     "lark rules in brackets": (rule_chain(1000, 4, lark=True), ["nests too deeply", "5002"]),
     "5000 rules": (many_rules(5000), ["grammar has 5001 rules", "at most 4000"]),
@@ -880,12 +892,13 @@ HOSTILE = {
 
 
 def hostile_flags(tmp_path: Path, given: str | dict) -> list[str]:
-    """The command line's flag for a grammar or a schema (a file: past argv's 128 kB)."""
-    if isinstance(given, str):
+    """The command line's flag for a grammar or a schema (a file past 64 kB: argv holds
+    128 kB an argument)."""
+    if isinstance(given, str) and len(given) < 2**16:
         return ["--grammar", given]
-    path = tmp_path / "schema.json"
-    path.write_text(json.dumps(given))
-    return ["--json-schema-file", str(path)]
+    path = tmp_path / "given"
+    path.write_text(given if isinstance(given, str) else json.dumps(given))
+    return ["--grammar-file" if isinstance(given, str) else "--json-schema-file", str(path)]
 
 
 @pytest.mark.parametrize("name", HOSTILE)
@@ -1000,9 +1013,65 @@ def test_serve_hostile_tool_parameters_are_400_and_it_goes_on(grammar_server) ->
     assert complete(grammar_server, {}).status_code == 200
 
 
-def test_a_1_mb_schema_is_followed(target_model: Path, grammar_server, tmp_path: Path) -> None:
-    schema = many_values(30000)
-    assert len(json.dumps(schema)) > MEGABYTE
+# Requests a stream on another slot must outlive, each with its answer: past the size
+# limit (refused before anything reads them), and within it what was read in quadratic
+# time (see test_grammar_text.py), or takes llguidance a while to compile.
+LIVENESS = [
+    ({"grammar": "root ::= " + "[" * MEGABYTE}, 400),
+    ({"json_schema": many_properties(25000)}, 400),
+    ({"grammar": 'root ::= "' + '\\"' * 120000}, 400),
+    ({"grammar": "start: " + "%json " * 40000}, 400),
+    ({"grammar": "\n" * 200000 + "root ::= [a-z]+"}, 200),
+    ({"grammar": "start: " + " | ".join(f'"w{i}x"' for i in range(20000))}, 400),
+]
+
+
+def test_serve_streams_on_while_hostile_grammars_come(grammar_server) -> None:
+    """While the other slot streams (one generation after another, as long as it takes),
+    hostile requests get their answers, and chunks of the stream arrive while they are
+    in flight: counted, not timed. A request's grammar is read and compiled in threads of
+    its own, never on the event loop nor in the decode loop."""
+    import threading
+
+    import httpx
+
+    chunks: list[dict] = []
+    done = threading.Event()
+    body = {"prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
+    body["grammar"] = "root ::= [a-z] root"  # letters to the end: no early stop
+
+    def stream() -> None:
+        while not done.is_set():
+            url = f"{grammar_server.url}/v1/completions"
+            with httpx.stream("POST", url, json=body, timeout=120) as reply:
+                for line in reply.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(json.loads(line[6:]))
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    try:
+        while not chunks:
+            assert streaming.is_alive()
+            streaming.join(0.1)
+        during = []
+        for fields, status in LIVENESS:
+            before = len(chunks)
+            reply = complete(grammar_server, fields, max_tokens=1)
+            assert reply.status_code == status, reply.text[:300]
+            during.append(len(chunks) - before)
+    finally:
+        done.set()
+        streaming.join(120)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert during[-1] > 0  # a compile that takes a while: the stream went on meanwhile
+
+
+def test_a_schema_near_the_size_limit_is_followed(
+    target_model: Path, grammar_server, tmp_path: Path
+) -> None:
+    schema = many_values(6000)
+    assert 0.9 * MAX_GRAMMAR_BYTES < len(json.dumps(schema)) <= MAX_GRAMMAR_BYTES
     args = ["-m", str(target_model), "-p", PROMPT, "-n", "64", "-t", "1", "--temp", "0"]
     result = specdec("run", *args, *hostile_flags(tmp_path, schema))
     assert result.returncode == 0, result.stderr
@@ -1010,6 +1079,57 @@ def test_a_1_mb_schema_is_followed(target_model: Path, grammar_server, tmp_path:
     reply = complete(grammar_server, {"json_schema": schema}, max_tokens=64).json()
     assert reply["choices"][0]["finish_reason"] == "stop"
     jsonschema.validate(json.loads(reply["choices"][0]["text"]), schema)
+
+
+def test_the_size_limit_is_in_bytes_before_anything_reads_them() -> None:
+    """A grammar or schema of exactly MAX_GRAMMAR_BYTES is taken, one byte more refused
+    (a schema given as a value is measured as compact JSON, as a client sends it)."""
+    filler = MAX_GRAMMAR_BYTES - len('root ::= ""')
+    literal = 'root ::= "' + "é" * (filler // 2) + "a" * (filler % 2) + '"'
+    assert len(literal.encode()) == MAX_GRAMMAR_BYTES
+    Grammar.gbnf(literal)
+    with pytest.raises(UserError, match="grammar is 262,145 bytes"):
+        Grammar.gbnf(literal + " ")
+    schema = {"enum": ["x" * (MAX_GRAMMAR_BYTES - 13)]}
+    assert len(json.dumps(schema, separators=(",", ":"))) == MAX_GRAMMAR_BYTES
+    Grammar.json_schema(schema)
+    schema["enum"].append("")
+    with pytest.raises(UserError, match="JSON schema is 262,147 bytes, over the limit"):
+        Grammar.json_schema(schema)
+    with pytest.raises(UserError, match="JSON schema is 262,147 bytes, over the limit"):
+        Grammar.json_schema(json.dumps(schema, separators=(",", ":")))
+
+
+def big_tool() -> dict:
+    return {"type": "function", "function": {"name": "big", "description": "x" * MEGABYTE}}
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("completions", {"grammar": "root ::= " + "[" * MEGABYTE}, "grammar"),
+        ("completions", {"json_schema": many_values(30000)}, "json_schema"),
+        (
+            "chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": many_values(30000)},
+                }
+            },
+            "response_format",
+        ),
+        ("chat/completions", {"tools": [big_tool()]}, "tools"),
+    ],
+    ids=["grammar", "json_schema", "response_format", "tools"],
+)
+def test_serve_refuses_past_the_size_limit_naming_the_field(
+    grammar_server, path: str, fields: dict, param: str
+) -> None:
+    messages = {"messages": [{"role": "user", "content": "Go"}]} if path.startswith("chat") else {}
+    reply = complete(grammar_server, {**messages, **fields}, path=path)
+    assert_refused(reply, "bytes, over the limit of 262,144 (256 KiB)")
+    assert reply.json()["error"]["param"] == param
 
 
 @pytest.mark.parametrize(
@@ -1081,6 +1201,87 @@ def test_schemas_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
     assert result.returncode == 0
 
 
+# Checks a thread makes with the smallest stack threading lets a thread have made.
+SMALL_STACK_SCRIPT = """
+import json, sys, threading
+from pathlib import Path
+from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.llamacpp.llama import Model, init_backend
+
+init_backend()
+model = Model(Path(sys.argv[1]), vocab_only=True)
+schemas = json.load(sys.stdin)
+threading.stack_size(256 * 1024)  # the stack of every thread made from now on
+
+def check():
+    for schema in schemas:
+        Grammar.json_schema(schema).check(model)
+    print("checked")
+
+thread = threading.Thread(target=check)
+thread.start()
+thread.join()
+"""
+
+
+def test_compiles_run_on_a_stack_of_their_own(target_model: Path) -> None:
+    """Schemas at the depth bound, checked by a thread whose stack is small (a server's
+    helper thread, a library user's, `ulimit -s`): llguidance compiles them in a thread
+    of COMPILE_STACK_BYTES, and the process lives (on the small stack it died of a
+    segmentation fault)."""
+    import subprocess
+    import sys
+
+    schemas = [deepest_within_bound(link) for link in LINKS]
+    result = subprocess.run(
+        [sys.executable, "-c", SMALL_STACK_SCRIPT, str(target_model)],
+        input=json.dumps(schemas),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (result.returncode, result.stdout) == (0, "checked\n"), result.stderr[-2000:]
+
+
+def test_a_generation_starts_from_the_matcher_its_check_compiled(
+    target_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server checks a request's grammar in a helper thread, and its generation starts
+    in the decode loop: that start copies the matcher the check compiled, so that one
+    request's compile never holds up the other slots."""
+    import llguidance
+
+    model = open_model(target_model)
+    grammar = Grammar.json_schema(SCHEMA)
+    grammar.check(model)
+    compiled = []
+
+    def compile_again(*args: object, **kwargs: object) -> None:
+        compiled.append(args)
+        raise AssertionError("a generation's start compiled its grammar")
+
+    monkeypatch.setattr(llguidance, "LLMatcher", compile_again)
+    constraint = grammar.start(model)
+    assert not compiled
+    assert constraint.forced()  # a matcher of its own, at the start: `{"name": "` forced
+    assert grammar.start(model).forced() == constraint.forced()
+
+
+@pytest.mark.parametrize("ref", ["#/items/²", "#/items/" + "9" * 5000, "#/items/01"])
+def test_a_ref_whose_array_index_is_not_one_is_not_followed(ref: str) -> None:
+    """JSON pointers index arrays in ASCII digits, without leading zeros: others are
+    $refs this check cannot follow, as a remote one (int() took them, and raised
+    ValueError on "²" and past 4,300 digits: a traceback, a server's 500)."""
+    from specdec_cli.decoding.grammar import schema_depth
+
+    schema = {"items": [{"type": "array", "items": {"type": "integer"}}], "$ref": ref}
+    remote = {**schema, "$ref": "https://example.com/schema.json"}
+    assert (
+        schema_depth(schema) == schema_depth(remote) > schema_depth({**schema, "$ref": "#/items/0"})
+    )
+    Grammar.json_schema(schema)
+
+
 @pytest.mark.parametrize(
     ("grammar", "bound"),
     [
@@ -1091,23 +1292,41 @@ def test_schemas_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
         ('root ::= a\na ::= b\nb ::= a | "c"', 3),  # a cycle: each of its rules once
     ],
 )
-def test_grammar_depth_bounds_what_llguidance_recurses_through(grammar: str, bound: int) -> None:
-    from specdec_cli.decoding.grammar import grammar_depth
+def test_grammar_depth_bounds_what_llguidance_recurses_through(
+    grammar: str, bound: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert checked_depth(grammar, monkeypatch) == bound
 
-    assert grammar_depth(grammar) == bound
+
+def checked_depth(grammar: str, monkeypatch: pytest.MonkeyPatch) -> int:
+    """The depth Grammar.gbnf finds in `grammar`, as its refusal says it, with no depth
+    allowed."""
+    import re
+
+    from specdec_cli.decoding import grammar as module
+
+    with monkeypatch.context() as patch:
+        patch.setattr(module, "MAX_GRAMMAR_DEPTH", 0)
+        with pytest.raises(UserError, match="nests too deeply") as error:
+            Grammar.gbnf(grammar)
+    found = re.search(r"a chain of rules (\d+) levels deep", str(error.value))
+    assert found is not None
+    return int(found.group(1))
 
 
-def test_grammars_at_the_depth_bound_compile_in_a_quarter_of_the_stack() -> None:
+def test_grammars_at_the_depth_bound_compile_in_a_quarter_of_the_stack(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The bound's margin, as for schemas: chains just within it, of plain rules and of
     rules in brackets, compile on a 2 MB thread stack in a child process."""
     import subprocess
     import sys
 
-    from specdec_cli.decoding.grammar import MAX_GRAMMAR_DEPTH, grammar_depth
+    from specdec_cli.decoding.grammar import MAX_GRAMMAR_DEPTH
 
     grammars = [rule_chain(MAX_GRAMMAR_DEPTH - 2, lark=True)]
     grammars.append(rule_chain((MAX_GRAMMAR_DEPTH - 2) // 5, 4, lark=True))
-    assert [grammar_depth(g) for g in grammars] == [MAX_GRAMMAR_DEPTH] * 2
+    assert [checked_depth(g, monkeypatch) for g in grammars] == [MAX_GRAMMAR_DEPTH] * 2
     script = (
         "import json, sys, threading, llguidance\n"
         "grammars = json.load(sys.stdin)\n"

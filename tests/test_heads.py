@@ -5,7 +5,6 @@ acceptance it drafts as a fresh pair of contexts fed the same history would."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -29,6 +28,7 @@ from ggufgen import (
     write_mtp_sidecar,
     write_qwen35_model,
 )
+from llamatools import llama_tool
 from scipy.stats import chi2_contingency
 from test_cli_run import specdec
 from test_decode import N_FIRST, PROMPT, SAMPLING, contingency, first_tokens
@@ -530,19 +530,10 @@ def llama_cpp_rounds(
     return drafted, accepted
 
 
-def llama_tools() -> Path:
-    """llama.cpp's own tools (.ci/build_tools builds them; SPECDEC_LLAMA_TOOLS names
-    their folder)."""
-    folder = os.environ.get("SPECDEC_LLAMA_TOOLS")
-    tool = Path(folder or "/nonexistent") / "llama-speculative-simple"
-    if not tool.is_file():
-        pytest.skip("llama.cpp's llama-speculative-simple not built: run bash .ci/build_tools")
-    return tool
-
-
 def llama_cpp_counts(target: Path, k: int, *spec: str) -> tuple[int, int]:
     """(n_drafted, n_accept) of llama.cpp's llama-speculative-simple, greedy, -n 48."""
-    command = [str(llama_tools()), "-m", str(target), *spec, "--spec-draft-n-max", str(k)]
+    tool = llama_tool("llama-speculative-simple")
+    command = [str(tool), "-m", str(target), *spec, "--spec-draft-n-max", str(k)]
     command += ["-p", PROMPT, "-n", "48", "--temp", "0", "-t", "1", "-fa", "off", "-c", "256"]
     for _ in range(5):  # llama.cpp's log thread now and then loses its last lines at exit
         result = subprocess.run(command, capture_output=True, text=True, timeout=120)

@@ -375,15 +375,68 @@ def test_repo_without_gguf_files(fake_hub: FakeHub) -> None:
     )
 
 
-def test_unreachable_hub(fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_unreachable_hub_is_asked_once(fake_hub: FakeHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    """huggingface-hub retries an unreachable Hub five times, waiting up to half a minute:
+    one request says it does not answer, and the line says what to download."""
+
+    def unreachable(request: hub_http.Request) -> hub_http.Response:
+        fake_hub.requests.append(f"{request.method} {request.url.path}")
+        raise hub_http.ConnectError("Name or service not known", request=request)
+
+    def no_waiting(seconds: float) -> None:
+        raise AssertionError(f"waited {seconds} s to retry")
+
+    monkeypatch.setattr(fake_hub, "handle", unreachable)
+    monkeypatch.setattr(time, "sleep", no_waiting)
+    assert error_of("owner/repo:Q8_0") == (
+        "owner/repo:Q8_0 is not in the local Hugging Face cache, and the Hub cannot be reached "
+        f"({constants.ENDPOINT}: Name or service not known); download it where the Hub answers "
+        "(`hf download owner/repo --include '*Q8_0*.gguf'`), or check your connection, proxy "
+        "or HF_ENDPOINT"
+    )
+    assert "`hf download owner/repo m.gguf`" in error_of("hf://owner/repo/m.gguf")
+    assert len(fake_hub.requests) == 2  # one a reference
+
+
+def test_unreachable_hub_serves_from_the_cache(
+    fake_hub: FakeHub, hub_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def unreachable(request: hub_http.Request) -> hub_http.Response:
         raise hub_http.ConnectError("Name or service not known", request=request)
 
     monkeypatch.setattr(fake_hub, "handle", unreachable)
-    monkeypatch.setattr(time, "sleep", lambda seconds: None)  # huggingface-hub retries 5 times
-    assert error_of("owner/repo:Q8_0").startswith(
-        "cannot reach the Hugging Face Hub for owner/repo:Q8_0 (Name or service not known)"
+    monkeypatch.setattr(time, "sleep", lambda seconds: None)
+    snapshot = add_to_cache(hub_home, "owner/repo", ["m-Q8_0.gguf"])
+    assert fetch_gguf("owner/repo:Q8_0") == snapshot / "m-Q8_0.gguf"
+    assert fetch_gguf("hf://owner/repo/m-Q8_0.gguf") == snapshot / "m-Q8_0.gguf"
+
+
+def closed_port() -> int:
+    """A local port nothing listens on: connections to it are refused at once."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_run_without_a_network_fails_fast(target_model: Path, tmp_path: Path) -> None:
+    """`specdec run` with the Hub unreachable: one line saying what to download, well
+    before huggingface-hub's retries (waits of 1+2+4+8+8 s) would have ended."""
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "SPECDEC_CONFIG": ""}
+    env |= {"HF_ENDPOINT": f"http://127.0.0.1:{closed_port()}", "HF_HUB_OFFLINE": "0"}
+    args = ["-m", "owner/repo:Q8_0", "-d", str(target_model), "-p", "Once", "-n", "4"]
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "specdec_cli", "run", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
+    assert time.monotonic() - started < 20
+    assert result.returncode == 2 and "Retrying" not in result.stderr
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("specdec: error: owner/repo:Q8_0 is not in the local")
+    assert "hf download owner/repo --include '*Q8_0*.gguf'" in line
 
 
 def test_the_network_guard_works(no_network: list[tuple]) -> None:

@@ -16,14 +16,15 @@ import numpy as np
 import openai
 import pytest
 from test_cli_run import assert_user_error, specdec
-from test_decode import COUPLED, SAMPLING
+from test_decode import COUPLED, REPEATING_PROMPT, SAMPLING
 from test_decode import open_engine as open_any_engine
 from test_server import ServerProcess, start
 from test_translate import shuffled  # noqa: F401  (a fixture: stories260K, ids shuffled)
 
 from specdec_cli.decoding.decode import Decoder, Generation, step
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
+from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.pieces import PieceStream, Round
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
@@ -228,6 +229,44 @@ def test_equal_to_llama_cpp_pythons_own_evaluation(
             drawn = dict(zip(kept.tolist(), log_softmax(row[kept] / sampling.temp), strict=True))
             assert abs(lp.logprob - drawn[lp.token]) < TOLERANCE
             assert [t for t, _ in lp.top] == kept[:TOP].tolist()
+
+
+def test_post_sampling_under_a_grammar_is_the_masked_distribution(
+    engine: Engine, high_level
+) -> None:
+    """Each token's post-sampling numbers are those of the distribution it was drawn
+    from: the target's row with every token the grammar forbids taken out before top-k
+    and temperature. Written out here apart from llguidance: no "r" anywhere (the
+    target's favourite " ran" after this prompt is forbidden), so a token is allowed
+    where its text is made of the grammar's characters, the end once some text came."""
+    grammar = Grammar.gbnf("root ::= [a-qs-z ]+")
+    prompt = engine.tokenize(REPEATING_PROMPT)
+    decoder = engine.make_decoder("model", "3", "off")
+    got, rng = [], np.random.default_rng(0)
+    options = LogprobOptions(TOP, True)
+    stats = Stats()
+    for new in decoder.generate(prompt, N, rng, stats, TOP_K_ONLY, options, grammar):
+        assert new.logprobs is not None
+        got += new.logprobs
+    assert stats.accepted > 0
+    model = engine.model
+    texts = [model.piece(t) for t in range(model.n_vocab)]
+    allowed = np.array(
+        [bool(text) and set(text) <= set(b"abcdefghijklmnopqstuvwxyz ") for text in texts]
+    )
+    ends = np.array([model.is_eog(t) for t in range(model.n_vocab)])
+    rows = reevaluated(high_level, prompt, [lp.token for lp in got])
+    forbidden_kept = 0  # places where top-k of the unmasked row keeps a forbidden token
+    for i, (lp, row) in enumerate(zip(got, rows, strict=True)):
+        masked = np.where(allowed | (ends & (i > 0)), row, -np.inf)
+        kept = np.argsort(-masked, kind="stable")[: TOP_K_ONLY.top_k]
+        drawn = dict(zip(kept.tolist(), log_softmax(masked[kept] / TOP_K_ONLY.temp), strict=True))
+        assert abs(lp.logprob - drawn[lp.token]) < TOLERANCE
+        assert [t for t, _ in lp.top] == kept[:TOP].tolist()
+        assert np.allclose([v for _, v in lp.top], [drawn[t] for t in kept[:TOP]], atol=TOLERANCE)
+        unmasked = np.argsort(-row, kind="stable")[: TOP_K_ONLY.top_k]
+        forbidden_kept += not allowed[unmasked].all()
+    assert forbidden_kept > 0  # the mask changed what was drawn from
 
 
 def test_slots_side_by_side(target_model: Path, draft_model: Path, alone) -> None:
@@ -503,6 +542,15 @@ def test_run_adds_them_to_the_json_tokens(target_model: Path, draft_model: Path)
     records = json.loads(post.stdout)["token_list"]
     assert all(r["logprob"] == 0.0 and len(r["top_logprobs"]) == 1 for r in records)
     assert_user_error(specdec("run", *args, "--post-sampling-probs"), "--logprobs")
+
+
+def test_run_refuses_more_logprobs_than_the_api(target_model: Path) -> None:
+    """--logprobs N sorts N of the vocabulary for every token: the API's bound (20) holds
+    for the CLI too, refused in one line before any model is loaded."""
+    for too_many in (str(MAX_TOP + 1), "200000"):
+        result = specdec("run", "-m", str(target_model), "-p", "Once", "--logprobs", too_many)
+        assert_user_error(result, "--logprobs", str(MAX_TOP))
+        assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_nothing_is_computed_when_nobody_asks(engine: Engine, monkeypatch) -> None:

@@ -3,7 +3,7 @@ holds on a real quantized model, on real text.
 
 Greedy speculative text is not always the target-only text here: llama.cpp's K-quant
 kernels give slightly different logits for different batch shapes, and near-ties fall
-either way (README, "Exact, and how exact"). What holds, and what a real defect (a
+either way (docs/exactness.md, "llama.cpp's numerics"). What holds, and what a real defect (a
 wrong cache position, a lost rewind) breaks by whole logits, is that every emitted
 token is the argmax, within a small tolerance, of one pass over the whole text.
 Token-for-token equality is tested on the F32 and Q8_0 pairs (test_decode.py).

@@ -18,9 +18,9 @@ from ggufgen import RealVocab
 from test_decode import PROMPT, generate, llama_cpp_greedy, open_engine
 
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import ModelDrafter
 from specdec_cli.decoding.draftlength import FixedLength
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.textstream import TextStream

@@ -10,10 +10,12 @@ import pytest
 
 from specdec_cli.decoding.pieces import Piece
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.serve import server
+from specdec_cli.serve import service
 from specdec_cli.serve.api import GenerationRequest
 from specdec_cli.serve.reasoning import Split, ThinkingSplitter, opens_thinking
 from specdec_cli.serve.reply import ReplyParser
+from specdec_cli.serve.responses import Endpoint
+from specdec_cli.serve.streaming import Answer
 
 REPLY = "  <think>Two and two.\n</think>\n\nIt is 4 </thinking>."
 
@@ -48,32 +50,28 @@ def test_a_prompt_that_opens_the_thinking() -> None:
     assert split_all(["Hm.</think>4"], opened=True) == Split("Hm.", "4")
 
 
-def job_with(texts: list[str], opened: bool = False) -> server.Job:
+def job_with(texts: list[str], opened: bool = False) -> service.Job:
     loop = asyncio.get_event_loop()
     request = GenerationRequest(chat=True, stream=True)
-    job = server.Job(request, [], 0, loop, reply=ReplyParser(ThinkingSplitter(opened), None))
+    job = service.Job(request, [], 0, loop, reply=ReplyParser(ThinkingSplitter(opened), None))
     for i, text in enumerate(texts):
-        job.events.put_nowait(server.Chunk(Piece(text, i, "target"), 0, 0, i + 1))
-    job.events.put_nowait(server.Finished(Stats(tokens=len(texts), stop_reason="eos")))
+        job.events.put_nowait(service.Chunk(Piece(text, i, "target"), 0, 0, i + 1))
+    job.events.put_nowait(service.Finished(Stats(tokens=len(texts), stop_reason="eos")))
     return job
 
 
-class _Service:
-    model_name = "m"
-
-
 def test_server_bodies_carry_reasoning_content() -> None:
-    api = server.Api(_Service())  # type: ignore[arg-type]
-    endpoint = server.Endpoint(chat=True)
+    endpoint = Endpoint(chat=True)
     pieces = ["<thi", "nk>Two and", " two.</th", "ink>4", "."]
 
     async def complete() -> dict:
-        response = await api._complete(job_with(pieces), endpoint)
+        response = await Answer(job_with(pieces), endpoint, "m", None).body()
         return json.loads(response.body)
 
     async def stream() -> list[dict]:
         watcher = asyncio.get_event_loop().create_task(asyncio.sleep(0))
-        chunks = [c async for c in api._stream(job_with(pieces), endpoint, watcher)]
+        answer = Answer(job_with(pieces), endpoint, "m", None)
+        chunks = [c async for c in answer.stream(watcher)]
         events = [c.decode().removeprefix("data: ").strip() for c in chunks]
         return [json.loads(e) for e in events if e != "[DONE]"]
 

@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 from test_decode import open_engine
 
-from specdec_cli.decoding.drafters import Draft, ModelDrafter
+from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.draftlength import AutoLength
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats

@@ -456,6 +456,15 @@ def mixed_bad_requests(n: int, seed: int = 0) -> list[tuple[str, bytes]]:
     return out
 
 
+def fields_of(body: bytes) -> set[str]:
+    """A body's top-level fields, where it is a JSON object."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's parser
+        return set()
+    return set(value) if isinstance(value, dict) else set()
+
+
 def test_malformed_requests_get_4xx_and_the_server_goes_on(http: httpx.Client) -> None:
     requests = [(path, body) for path, body in BAD_BODIES]
     requests += [(path, json.dumps(fields).encode()) for path, fields in BAD_FIELDS]
@@ -466,6 +475,11 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(http: httpx.Client) -
         assert 400 <= response.status_code < 500, (path, body[:80], response.text)
         error = response.json()["error"]
         assert error["message"] and error["type"], (path, body[:80])
+        fields = fields_of(body)
+        if fields:  # a JSON object: the error names the field it refuses
+            required = "messages" if path.endswith("chat/completions") else "prompt"
+            named = (error["param"] or "").split(".")[0].split("[")[0]
+            assert named in {*fields, required}, (path, body[:200], error)
     assert http.get("/v1/completions").status_code == 405
     assert http.get("/no/such/path").status_code == 404
     assert http.get("/health").json() == {"status": "ok"}

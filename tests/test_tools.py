@@ -241,3 +241,104 @@ def test_messages_with_calls_render_their_arguments_as_objects() -> None:
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}
     message = Message("assistant", "", (call,))
     assert message.as_dict()["tool_calls"][0]["function"]["arguments"] == {"a": 1}
+
+
+# --- tool_choice enforced after the thoughts -------------------------------------------------
+
+THOUGHT = "Let me see."
+PROSE = "It is sunny."  # what the model says when nothing makes it call
+# A Hermes template that thinks: the generation prompt opens the block ("open"), or the
+# template only knows the markers (it writes a past reply's thoughts back) and the model
+# opens the block itself ("optional").
+THINKING_TEMPLATES = {
+    "open": TEMPLATE.replace("<|assistant|>{% if messages", "<|assistant|><think>{% if messages"),
+    "optional": TEMPLATE.replace(
+        "{% for c in m.tool_calls",
+        "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+        "{% for c in m.tool_calls",
+    ),
+}
+THINKING_SCRIPT = {
+    "<|assistant|>": "<think>",  # "optional": the model opens the block itself
+    "<think>": THOUGHT,
+    "<tool_call>": CALL_JSON,
+    CALL_JSON: "</tool_call>",
+}
+# The end marker a token of its own (a special token, to llguidance), or the end of a
+# thought's text, which the grammar must find inside a token.
+END_MARKERS = {
+    "token": {THOUGHT: "</think>", "</think>": PROSE},
+    "text": {THOUGHT: PROSE + "</think>", PROSE + "</think>": PROSE},
+}
+
+
+@pytest.fixture(
+    scope="module",
+    params=[("open", "token"), ("open", "text"), ("optional", "token")],
+    ids=lambda p: "-".join(p),
+)
+def thinking_server(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    opening, end = request.param
+    script = THINKING_SCRIPT | END_MARKERS[end]
+    pieces = [*PIECES, "<think>", THOUGHT, PROSE, *script.values()]
+    folder = tmp_path_factory.mktemp("serve-thinking")
+    path = scripted_model(
+        folder / "thinking.gguf",
+        list(dict.fromkeys(pieces)),
+        script,
+        THINKING_TEMPLATES[opening],
+        controls=["<tool_call>", "</tool_call>"],
+    )
+    proc = start(folder, "-m", str(path), "-d", "ngram")
+    yield proc
+    assert proc.stop() == 0, proc.output()
+
+
+def test_tool_choice_required_is_enforced_after_the_thoughts(
+    thinking_server: ServerProcess,
+) -> None:
+    """Left to itself the model thinks, then answers in prose; with tool_choice required or
+    the function named, it thinks as freely, then calls."""
+    client = client_of(thinking_server)
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    free = client.chat.completions.create(model="m", messages=question, tools=[WEATHER])
+    assert not free.choices[0].message.tool_calls
+    assert free.choices[0].message.content.startswith(PROSE)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        reply = client.chat.completions.create(
+            model="m", messages=question, tools=[WEATHER], tool_choice=choice, temperature=0
+        )
+        message = reply.choices[0].message
+        assert reply.choices[0].finish_reason == "tool_calls", message
+        assert message.model_extra["reasoning_content"].startswith(THOUGHT)
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", ARGS)
+
+
+def test_tool_choice_beside_response_format_is_refused(tool_server: ServerProcess) -> None:
+    """A required call and a response_format cannot both hold: a 400, never one ignored."""
+    client = client_of(tool_server)
+    for fields in (
+        {"response_format": {"type": "json_object"}},
+        {"extra_body": {"grammar": 'root ::= "x"'}},
+    ):
+        with pytest.raises(openai.BadRequestError, match="tool_choice") as refused:
+            client.chat.completions.create(
+                model="m",
+                messages=[{"role": "user", "content": "Hi"}],
+                tools=[WEATHER],
+                tool_choice="required",
+                **fields,
+            )
+        assert refused.value.body["param"] == "tool_choice"
+    auto = client.chat.completions.create(  # nothing required: the format alone holds
+        model="m",
+        messages=[{"role": "user", "content": "Hi"}],
+        tools=[WEATHER],
+        response_format={"type": "json_object"},
+        max_tokens=8,
+    )
+    assert auto.choices[0].finish_reason in ("stop", "length")

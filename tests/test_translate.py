@@ -20,7 +20,7 @@ from test_real_model import MOST_TIES, TIE_TOLERANCE, argmax_gaps
 from test_server import start
 from test_slots import Job, parallel_engine, run_together
 
-from specdec_cli.decoding.drafters import Draft, merge_into_tree
+from specdec_cli.decoding.draft import Draft, merge_into_tree
 from specdec_cli.decoding.draftlength import AutoLength
 from specdec_cli.decoding.policy import TRANSLATED_MARGIN, TRANSLATED_PRIOR
 from specdec_cli.decoding.stats import Stats

@@ -12,7 +12,8 @@ from test_decode import PROMPT, generate, open_engine
 
 from specdec_cli.commands.bench import variants, widest_tree
 from specdec_cli.decoding.costmodel import Costs
-from specdec_cli.decoding.drafters import Draft, NgramDrafter, TreeShape, propose
+from specdec_cli.decoding.draft import Draft, TreeShape, propose
+from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import parse_tree
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, NodeOdds

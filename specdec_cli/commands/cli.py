@@ -13,8 +13,7 @@ from typing import Annotated
 
 import typer
 
-from specdec_cli import __version__
-from specdec_cli.commands import interrupt
+from specdec_cli import __version__, interrupt
 from specdec_cli.commands.bench import (
     BUILTIN_PROMPTS,
     BenchOptions,
@@ -32,7 +31,6 @@ from specdec_cli.commands.display import (
     bench_progress,
     load_pyplot,
     print_bench,
-    warn,
     write_plot,
 )
 from specdec_cli.commands.options import (
@@ -71,6 +69,7 @@ from specdec_cli.commands.options import (
 )
 from specdec_cli.commands.prompts import read_prompt, read_prompts
 from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
+from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
     EngineOptions,
@@ -80,6 +79,7 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.messages import warn
 from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.models.heads import HEAD_FILES
@@ -276,6 +276,7 @@ def run(
             "--logprobs",
             metavar="N",
             min=0,
+            max=MAX_TOP,  # as the API: more would sort the whole vocabulary every token
             help="Add each token's log-probability and the N likeliest tokens at its place "
             "to the --json-tokens records (implied): the target's own, whoever drafted it. "
             "The model's distribution (log-softmax of the logits) unless "

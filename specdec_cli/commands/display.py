@@ -28,14 +28,7 @@ from rich.text import Text
 from specdec_cli.commands.bench import BenchReport
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
-
-
-def warn(message: str) -> None:
-    print(f"specdec: warning: {message}", file=sys.stderr)
-
-
-def note(message: str) -> None:
-    print(f"specdec: {message}", file=sys.stderr)
+from specdec_cli.messages import warn
 
 
 def stats_line(stats: Stats, width: int, final: bool = False) -> Text:

@@ -21,7 +21,6 @@ from typing import Annotated, Any
 import numpy as np
 import typer
 
-from specdec_cli.commands.display import note
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
@@ -36,11 +35,13 @@ from specdec_cli.decoding.settings import (
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
+from specdec_cli.messages import note
 from specdec_cli.models.config import ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.heads import head_problem
 from specdec_cli.models.resolve import (
     HEAD,
+    LOOKUP,
     NO_DRAFT,
     OWN_MODELS,
     default_pair,
@@ -601,10 +602,10 @@ def engine_options(
     pair = spec if isinstance(spec, PairSpec) else None
     target_spec = pair.target if pair else spec
     defaults = dict(pair.sampling) if pair else {}
+    if not drafts and pair is not None:  # the pair's draft, as -d takes it (a model, ngram)
+        drafts = [pair.draft.name or pair.draft.path]
     draft, lookup_named = split_drafts(drafts)
     ngram = lookup_setting(draft, lookup_named, ngram)
-    if not drafts and pair is not None:
-        draft = pair.draft.name or pair.draft.path
     head = head_setting(drafts, draft, lookup_named)
     drafting = DraftOptions(
         **only_given(
@@ -680,8 +681,8 @@ def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None)
 def split_drafts(drafts: list[str]) -> tuple[str | None, bool]:
     """-d values: (the draft model named, if any; whether n-gram lookup was asked for).
     The target's head ('mtp') is not a model: see head_setting."""
-    models = [d for d in drafts if d.lower() not in ("ngram", HEAD)]
-    lookup = any(d.lower() == "ngram" for d in drafts)
+    models = [d for d in drafts if d.lower() not in (LOOKUP, HEAD)]
+    lookup = any(d.lower() == LOOKUP for d in drafts)
     heads = len(drafts) - len(models) - lookup
     if len(models) + bool(heads) > 1:
         named = [*models, HEAD] if heads else models

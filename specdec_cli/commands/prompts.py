@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from specdec_cli.commands.display import warn
 from specdec_cli.errors import UserError
+from specdec_cli.messages import warn
 
 
 def read_prompt(prompt: str | None, file: Path | None, messages: str | None) -> str | None:

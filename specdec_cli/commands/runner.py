@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import typer
 
-from specdec_cli.commands import interrupt
-from specdec_cli.commands.display import make_display, note, warn
+from specdec_cli import interrupt
+from specdec_cli.commands.display import make_display
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob
 from specdec_cli.decoding.pieces import Piece
@@ -22,6 +22,7 @@ from specdec_cli.decoding.settings import EngineOptions, GenerationOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.messages import note, warn
 from specdec_cli.models.chat import ChatOptions
 
 

@@ -8,12 +8,15 @@ Target-only decoding costs 1 per token, so a speedup is tokens / cost.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from specdec_cli.llamacpp import costcache
 
 if TYPE_CHECKING:
     from specdec_cli.llamacpp.llama import Context
@@ -240,3 +243,28 @@ def median_costs(measured: Sequence[Costs]) -> Costs:
         {n: median(lambda m, n=n: m.verify[n]) for n in sizes},
         median(lambda m: m.switch),
     )
+
+
+def load_costs(key: str) -> list[Costs]:
+    """The measurements kept in the cache under `key` (see costcache), oldest first
+    (none: an empty list)."""
+    data = costcache.load_entry("costs", key)
+    if data is None:
+        return []
+    try:
+        return [_cached_costs(dict(measurement)) for measurement in data["measurements"]]
+    except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or an old format
+        return []
+
+
+def _cached_costs(data: dict[str, Any]) -> Costs:
+    verify = {int(n): float(v) for n, v in data.pop("verify").items()}
+    return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
+
+
+def save_costs(key: str, measured: Sequence[Costs]) -> None:
+    """Keep the last costcache.MEASUREMENTS of `measured` under `key`. (LoadedModels adds
+    to fewer than MEASUREMENTS only, so the first, which rejection-sampled generations
+    price with, is never dropped.)"""
+    kept = [dataclasses.asdict(costs) for costs in measured[-costcache.MEASUREMENTS :]]
+    costcache.save_entry("costs", key, {"measurements": kept})

@@ -19,19 +19,13 @@ from typing import TypeVar, cast
 import numpy as np
 
 from specdec_cli.decoding.costmodel import verify_cost
-from specdec_cli.decoding.drafters import (
-    NO_DRAFT,
-    Draft,
-    Drafter,
-    DraftSteps,
-    LookupThenModel,
-    ModelDrafter,
-    NgramDrafter,
-    draft_together,
-)
+from specdec_cli.decoding.draft import NO_DRAFT, Draft, Drafter, DraftSteps, draft_together
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.grammar import Constraint, Grammar, PathMasks
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
+from specdec_cli.decoding.lookupthenmodel import LookupThenModel
+from specdec_cli.decoding.modeldrafter import ModelDrafter
+from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.sampling import (
     Dist,
     Noise,

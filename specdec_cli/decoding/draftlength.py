@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
-from specdec_cli.decoding.drafters import Draft
+from specdec_cli.decoding.draft import Draft
 
 
 class DraftLength(Protocol):
@@ -75,18 +75,8 @@ class FixedLength:
     def keep_drafting(self, i: int, confidence: float) -> bool:
         return i == 0 or confidence >= self.p_min
 
-    def observe(
-        self,
-        draft: Draft,
-        accepted: int,
-        draft_seconds: float | None,
-        verify_seconds: float | None,
-        other_seconds: float | None = None,
-        beside: int = 0,
-        chances: Sequence[float] = (),
-        rollback_seconds: float | None = None,
-    ) -> None:
-        pass
+    def observe(self, *outcome: object, **details: object) -> None:
+        """A fixed length learns nothing from a round (see DraftLength.observe)."""
 
 
 class Calibration:

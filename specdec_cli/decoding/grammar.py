@@ -22,35 +22,40 @@ libllama's own GBNF sampler is not used: it checks every candidate (11-79 ms a p
 on real vocabularies), aborts the process when a token it rejects is accepted, and has
 no undo. llguidance computes a mask in about 0.1 ms and says which tokens are forced.
 
-Hostile input: llguidance bounds its own work (LLParserLimits: its defaults, e.g. 500,000
-symbols a grammar, 50,000 parser items a step), and a grammar that meets a bound fails
-in one line. Three things it does not bound are checked here: how deep a JSON schema's
-$refs chain (its compiler recurses, and a deep chain overflows the stack: a segmentation
-fault, see schema_depth), how deep a grammar's rules chain (the same, see
-check_grammar_size), and a grammar no text completes that fails before the model
-chooses anything (see Grammar.check). One that fails later ends its generation with a
-UserError (that generation alone: the others decoded in the same step go on, see
-decode.step); one that never fails but never ends (`root ::= [a-z] root`) stops at
-max_tokens, as any generation does.
+Hostile input: every grammar, JSON schema and request's tools is refused past
+MAX_GRAMMAR_BYTES before anything reads it, and every pass of Python over one is linear in
+its length (grammar_text.py reads grammars: llguidance's own GBNF converter is quadratic
+on hostile input). llguidance bounds its own work (LLParserLimits: its defaults, e.g.
+500,000 symbols a grammar, 50,000 parser items a step), and a grammar that meets a bound
+fails in one line. Three things it does not bound are checked here: how deep a JSON
+schema's $refs chain (its compiler recurses, and a deep chain overflows the stack: a
+segmentation fault, see schema_depth), how deep a grammar's rules chain (the same, see
+check_grammar), and a grammar no text completes that fails before the model chooses
+anything (see Grammar.check). One that fails later ends its generation with a UserError
+(that generation alone: the others decoded in the same step go on, see decode.step); one
+that never fails but never ends (`root ::= [a-z] root`) stops at max_tokens, as any
+generation does. llguidance compiles in threads of a known stack (on_compile_thread),
+never in the thread that asks: the depth bounds hold whatever stack that thread has, and
+a server's decode loop only copies a matcher compiled before (Grammar.matcher).
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
-import re
 import sys
 import threading
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 from urllib.parse import unquote
 
 import llama_cpp
 import llguidance
 import numpy as np
-from llguidance.gbnf_to_lark import any_to_lark, is_lark_syntax
 
+from specdec_cli.decoding.grammar_text import LarkRules, gbnf_to_lark, heaviest_path, is_lark
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Model, common_prefix
 
@@ -60,23 +65,37 @@ FORCED_MAX = 32
 # SPACE: nothing, a space, or a new line and at most 20 spaces or tabs of indentation).
 # llguidance's default, any run of whitespace, lets a model pad forever.
 JSON_WHITESPACE = r"(?:\x20|\x0A[\x20\x09]{0,20})?"
+# The most bytes a grammar, a JSON schema (as compact JSON) or a request's tools may take,
+# refused before anything reads them: every later pass is linear in it, and llguidance's
+# compile grows with it. Far above what people write (llama.cpp's grammars, JSON's
+# among them, are under 2 kB).
+MAX_GRAMMAR_BYTES = 256 * 1024
 # The deepest a JSON schema may nest, in objects and arrays, counted on through its $refs.
 # llguidance compiles a schema by recursion, up to 3.3 kB of stack a level (measured, 1.9.1:
 # a chain of 2,500 $refs overflowed a thread's 8 MB and killed the process, 2,000 did
 # not). Its JSON reader stops at 128 levels in one piece, but $refs chain pieces without
-# limit. A quarter of what overflowed, and far more than real schemas nest.
+# limit. A quarter of what overflowed on COMPILE_STACK_BYTES, and far more than real
+# schemas nest.
 MAX_SCHEMA_DEPTH = 512
 # The deepest llguidance may recurse through a grammar's rules, and the most rules. Its
 # compiler enters a rule's definition where it first meets the rule, by recursion, as it
 # does a schema's $refs (measured, 1.9.1: a chain of 2,500 rules compiled on an 8 MB
 # thread stack and 2,750 overflowed it; on 2 MB, 600 and 700; a rule four brackets deep
-# costs less than five rules). The server compiles in a worker thread (8 MB on glibc, as
-# the main thread): a quarter of what overflowed there, under what overflowed on 2 MB.
-# The bound on depth also bounds gbnf_to_lark's time, quadratic in a chain's length
-# (1,000 rules 0.4 s, 4,000 8.5 s), and with the bound on rules its time on many chains
-# (8 of 500 rules, about 1 s).
+# costs less than five rules; brackets within one rule it refuses past about 30 levels).
+# A quarter of what overflowed on COMPILE_STACK_BYTES, under what overflowed on 2 MB. Its
+# compile time grows faster than the number of rules (4,000 0.3 s, 16,000 2.3 s).
 MAX_GRAMMAR_DEPTH = 512
 MAX_GRAMMAR_RULES = 4000
+# The stack of the threads llguidance compiles in, set when each is made: the depth bounds
+# above are measured against it. The thread that asks has whatever stack its platform,
+# `ulimit -s` or threading.stack_size gave it (a helper thread of the server's event loop,
+# the command line's main thread).
+COMPILE_STACK_BYTES = 8 * 2**20
+# Compiles that go on at once (llguidance lets go of the GIL while it compiles); more
+# requests' compiles wait their turn, while the generations already running go on.
+COMPILE_THREADS = 4
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -89,23 +108,26 @@ class Grammar:
     kind: str
     text: str
     compiled: str
+    # llguidance's matcher at the start of the output, for each model it was compiled
+    # over (see matcher)
+    _starts: dict[int, tuple[Model, llguidance.LLMatcher]] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     @classmethod
     def gbnf(cls, text: str) -> Grammar:
         """llama.cpp's GBNF (a grammar already in Lark is taken as it is)."""
+        check_bytes("the grammar", text)
         if not text.strip():
             raise UserError("the grammar is empty")
-        check_grammar_size(text)
-        check_embedded_schemas(text)
-        try:
-            lark = any_to_lark(text)
-        except Exception as e:  # its parser raises plain Exceptions
-            raise UserError(f"the grammar does not parse: {_one_line(e)}") from None
+        lark = text if is_lark(text) else gbnf_to_lark(text)
+        check_grammar(lark)
         return cls("gbnf", text, llguidance.LLMatcher.grammar_from_lark(lark))
 
     @classmethod
     def json_schema(cls, schema: str | dict[str, Any]) -> Grammar:
         if isinstance(schema, str):
+            check_bytes("the JSON schema", schema)
             try:
                 value = json.loads(schema)
             except ValueError as e:
@@ -114,6 +136,7 @@ class Grammar:
                 raise UserError(_too_deep(f"over {sys.getrecursionlimit()}")) from None
         else:
             value = schema
+            check_json_bytes("the JSON schema", value)
         if not isinstance(value, dict | bool):
             raise UserError("the JSON schema must be a JSON object")
         check_schema_depth(value)
@@ -144,7 +167,11 @@ class Grammar:
 
     def check(self, model: Model) -> None:
         """Raise UserError, in one line, if the grammar is not one llguidance can match
-        over `model`'s vocabulary, or if it fails before the model chooses anything."""
+        over `model`'s vocabulary, or if it fails before the model chooses anything.
+        Compiled here, in a compile thread, once for this model (see matcher)."""
+        on_compile_thread(self._check, model)
+
+    def _check(self, model: Model) -> None:
         matcher = llguidance.LLMatcher
         failed, messages = matcher.validate_grammar_with_warnings(self.compiled, tokenizer(model))
         if failed:  # (warnings, such as unsupported keywords ignored, are not errors)
@@ -166,6 +193,63 @@ class Grammar:
         """A generation's matcher, at the start of its output."""
         return Constraint(model, self)
 
+    def matcher(self, model: Model) -> llguidance.LLMatcher:
+        """llguidance's matcher at the start of the output: a copy of one compiled once
+        for `model`, in a compile thread (by check, before a server queues the request:
+        a generation's start in the decode loop then compiles nothing)."""
+        entry = self._starts.get(id(model))
+        if entry is None or entry[0] is not model:
+            entry = self._starts[id(model)] = (model, on_compile_thread(self._compile, model))
+        return entry[1].deep_copy()
+
+    def _compile(self, model: Model) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(tokenizer(model), self.compiled, log_level=0)
+
+
+_compile_pool_thread = threading.local()  # `marked` in the pool's threads
+
+
+def _mark_compile_thread() -> None:
+    _compile_pool_thread.marked = True
+
+
+_compile_pool = ThreadPoolExecutor(COMPILE_THREADS, "specdec-compile", _mark_compile_thread)
+_stack_size_lock = threading.Lock()
+
+
+def on_compile_thread(work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` in a thread whose stack is COMPILE_STACK_BYTES, once it is done (at
+    once where this is one). The pool makes a thread only inside submit (where none is
+    idle), so each is made while the process's size for new threads is that one."""
+    if getattr(_compile_pool_thread, "marked", False):
+        return work(*args)
+    with _stack_size_lock:
+        before = threading.stack_size(COMPILE_STACK_BYTES)
+        try:
+            future = _compile_pool.submit(work, *args)
+        finally:
+            threading.stack_size(before)
+    return future.result()
+
+
+def check_bytes(what: str, text: str) -> None:
+    """Refuse, in one line, `what` past MAX_GRAMMAR_BYTES in UTF-8."""
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_GRAMMAR_BYTES:
+        raise UserError(
+            f"{what} is {size:,} bytes, over the limit of {MAX_GRAMMAR_BYTES:,} (256 KiB); "
+            "make it smaller"
+        )
+
+
+def check_json_bytes(what: str, value: object) -> None:
+    """check_bytes for a value read from JSON, written compactly, as a client sends it."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    except RecursionError:
+        raise UserError(f"{what} nests too deeply") from None
+    check_bytes(what, text)
+
 
 def check_schema_depth(schema: object) -> None:
     """Raise UserError, in one line, if compiling `schema` could take llguidance deeper
@@ -175,11 +259,15 @@ def check_schema_depth(schema: object) -> None:
         raise UserError(_too_deep(str(depth)))
 
 
-def check_grammar_size(text: str) -> None:
-    """Raise UserError, in one line, if a GBNF or Lark grammar has more than
-    MAX_GRAMMAR_RULES rules, or a chain of rules deeper than MAX_GRAMMAR_DEPTH (see
-    grammar_depth), before llguidance's compiler sees it."""
-    rules = _GrammarRules(text)
+def check_grammar(lark: str) -> None:
+    """Raise UserError, in one line, if a Lark grammar has more than MAX_GRAMMAR_RULES
+    rules, a chain of rules deeper than MAX_GRAMMAR_DEPTH (LarkRules.depth), or a `%json`
+    schema deeper than a JSON schema may be (llguidance compiles them alike), before
+    llguidance's compiler sees it."""
+    try:
+        rules = LarkRules(lark)
+    except RecursionError:  # a %json value, past Python's JSON reader
+        raise UserError(_too_deep(f"over {sys.getrecursionlimit()}")) from None
     if len(rules.weights) > MAX_GRAMMAR_RULES:
         raise UserError(
             f"the grammar has {len(rules.weights)} rules (at most {MAX_GRAMMAR_RULES}); "
@@ -192,83 +280,8 @@ def check_grammar_size(text: str) -> None:
             f"the brackets within each (at most {MAX_GRAMMAR_DEPTH}); shorten its chains of "
             "rules that refer to the next"
         )
-
-
-# Where a Lark grammar embeds a JSON schema (`%json { ... }`): compiled as a schema is.
-_EMBEDDED_SCHEMA = re.compile(r"%json\s*")
-
-
-def check_embedded_schemas(text: str) -> None:
-    """Refuse, in one line, a Lark grammar whose `%json` schemas nest deeper than a JSON
-    schema may (see check_schema_depth): llguidance compiles them alike."""
-    decoder = json.JSONDecoder()
-    for match in _EMBEDDED_SCHEMA.finditer(text):
-        try:
-            schema, _ = decoder.raw_decode(text, match.end())
-        except ValueError:
-            continue  # not JSON: llguidance's parser says what is wrong with it
-        except RecursionError:
-            raise UserError(_too_deep(f"over {sys.getrecursionlimit()}")) from None
+    for schema in rules.schemas:
         check_schema_depth(schema)
-
-
-def grammar_depth(text: str) -> int:
-    """A depth llguidance's compiler never recurses past on a GBNF or Lark grammar: the
-    heaviest chain of rules, each referring to the next, each weighing one level and one
-    for each level of brackets within it; rules that reach each other (a cycle) counted
-    whole, as in schema_depth."""
-    return _GrammarRules(text).depth()
-
-
-# Tokens of a grammar, as far as its rules go: strings, character classes (GBNF) or
-# regular expressions (Lark), and comments are passed over whole; names, brackets, and
-# the sign that defines a rule are what count.
-_GBNF_TOKENS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|#[^\n]*|::=|[\w-]+|[()]')
-_LARK_TOKENS = re.compile(
-    r'"(?:\\.|[^"\\])*"|/(?:\\.|[^/\\\n])+/[imslux]*|//[^\n]*|[A-Za-z_][\w.]*|[()\[\]:]'
-)
-
-
-class _GrammarRules:
-    """A grammar's rules by number: `weights` (one, and one for each level of brackets
-    within the rule) and `edges` (each rule to those it names)."""
-
-    def __init__(self, text: str) -> None:
-        lark = is_lark_syntax(text)
-        pattern, defines = (_LARK_TOKENS, ":") if lark else (_GBNF_TOKENS, "::=")
-        tokens = [t for t in pattern.findall(text) if t[0] != "#" and t[:2] != "//"]
-        self.names: dict[str, int] = {}
-        self.weights: dict[int, int] = {}
-        named: dict[int, set[str]] = {}
-        rule, depth = -1, 0
-        for token, after in zip(tokens, [*tokens[1:], ""], strict=True):
-            if after == defines and (token[0].isalnum() or token[0] in "_-"):
-                rule, depth = self._number(token.split(".")[0]), 0
-                self.weights.setdefault(rule, 1)
-                named.setdefault(rule, set())
-            elif rule < 0 or token == defines:
-                continue
-            elif token in ("(", "["):
-                depth += 1
-                self.weights[rule] = max(self.weights[rule], 1 + depth)
-            elif token in (")", "]"):
-                depth = max(depth - 1, 0)
-            elif token[0].isalnum() or token[0] in "_-":
-                named[rule].add(token)
-        self.edges = {
-            rule: {self.names[n] for n in names if n in self.names} for rule, names in named.items()
-        }
-
-    def _number(self, name: str) -> int:
-        return self.names.setdefault(name, len(self.names))
-
-    def depth(self) -> int:
-        """The heaviest chain from any rule (llguidance may compile rules the start does
-        not reach): from a node before them all."""
-        before = len(self.names)
-        weights = {**self.weights, before: 0}
-        edges = {**self.edges, before: set(self.weights)}
-        return _heaviest_path(weights, edges, before)
 
 
 def _too_deep(depth: str) -> str:
@@ -292,7 +305,7 @@ def schema_depth(schema: object) -> int:
     each entered once, each at most its own height. Parts that reach each other (a
     cycle) are counted whole, in any order."""
     parts = _SchemaParts(schema)
-    return _heaviest_path(parts.weights, parts.edges, id(schema))
+    return heaviest_path(parts.weights, parts.edges, id(schema))
 
 
 class _SchemaParts:
@@ -352,7 +365,7 @@ class _SchemaParts:
             token = token.replace("~1", "/").replace("~0", "~")
             if isinstance(value, dict) and token in value:
                 value = value[token]
-            elif isinstance(value, list) and token.isdigit() and int(token) < len(value):
+            elif isinstance(value, list) and _is_index(token, len(value)):
                 value = value[int(token)]
             else:
                 return None
@@ -374,6 +387,14 @@ class _SchemaParts:
             stack += [(child, owner) for child in _children(value)]
 
 
+def _is_index(token: str, length: int) -> bool:
+    """Whether a JSON pointer's token indexes an array of `length`: ASCII digits without
+    a leading zero (int() also reads other digits, and slowly long ones, past its limit
+    in error)."""
+    digits = token.isascii() and token.isdigit() and not (token.startswith("0") and token != "0")
+    return digits and len(token) <= len(str(length)) and int(token) < length
+
+
 def _containers(root: object) -> Iterator[object]:
     """Every object and array in `root`, each before what it holds."""
     stack = [root] if isinstance(root, dict | list) else []
@@ -387,45 +408,6 @@ def _children(value: object) -> list[object]:
     """The objects and arrays `value` holds directly."""
     items = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
     return [item for item in items if isinstance(item, dict | list)]
-
-
-def _heaviest_path(weights: dict[int, int], edges: dict[int, set[int]], start: int) -> int:
-    """The heaviest path from `start`, each strongly connected set of nodes counted
-    whole (Tarjan's algorithm, without recursion: the chains may be thousands long)."""
-    index: dict[int, int] = {}
-    low: dict[int, int] = {}
-    stack: list[int] = []  # of nodes whose set is not finished
-    at: dict[int, int] = {}  # each node's place on it
-    heaviest: dict[int, int] = {}  # from each node of a finished set
-    work: list[tuple[int, Iterator[int]]] = []
-
-    def enter(node: int) -> None:
-        index[node] = low[node] = len(index)
-        at[node] = len(stack)
-        stack.append(node)
-        work.append((node, iter(edges[node])))
-
-    enter(start)
-    while work:
-        node, following = work[-1]
-        for child in following:
-            if child not in index:
-                enter(child)
-                break
-            if child not in heaviest:  # on the stack
-                low[node] = min(low[node], index[child])
-        else:
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[node])
-            if low[node] == index[node]:  # the root of a strongly connected set
-                members = set(stack[at[node] :])
-                del stack[at[node] :]
-                after = (heaviest[c] for m in members for c in edges[m] if c not in members)
-                total = sum(weights[m] for m in members) + max(after, default=0)
-                heaviest.update(dict.fromkeys(members, total))
-    return heaviest[start]
 
 
 def lark_literal(model: Model, text: str) -> str:
@@ -517,7 +499,7 @@ class Constraint:
 
     def __init__(self, model: Model, grammar: Grammar) -> None:
         self.model = model
-        self.matcher = llguidance.LLMatcher(tokenizer(model), grammar.compiled, log_level=0)
+        self.matcher = grammar.matcher(model)
         self.what = grammar.what
         if self.matcher.is_error():
             raise UserError(_not_valid(self.what, _matcher_reason(self.matcher)))

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specdec_cli.decoding.drafters import Draft, DraftSteps, KeepDrafting, ModelDrafter, TreeShape
+from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import (
     AssistantHead,

@@ -11,11 +11,13 @@ from typing import NamedTuple, TypeVar
 from specdec_cli.decoding.costmodel import (
     FLASH_ATTN_BATCHES,
     Costs,
+    load_costs,
     measure_costs,
     median_costs,
+    save_costs,
     time_decodes,
 )
-from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord
+from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord, Timings
 from specdec_cli.decoding.heads import drafter_for
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice
@@ -180,7 +182,7 @@ class LoadedModels:
             self.model, n_ctx, threads, options.n_gpu_layers, options.device
         )
         # A tree's leaves are the target's sequences; the draft needs one per node it
-        # extends (see drafters._Growth). Each slot has as many of its own.
+        # extends (see treegrowth.TreeGrowth). Each slot has as many of its own.
         target_seqs = self.tree_nodes + 1 if self.tree_nodes else 1
         draft_seqs = min(LLAMA_MAX_SEQ // parallel, MAX_WIDTH * self._longest_draft() + 1)
         target_params = self._context_params(
@@ -336,12 +338,12 @@ class LoadedModels:
             top = min((widest + 1) * self.options.parallel, self.target.n_ctx // 2)
             sizes = cost_sizes(top)
             key = costcache.cache_key(self._model_paths(), self._cost_settings(sizes))
-            measured = costcache.load(key)
+            measured = load_costs(key)
             if len(measured) < costcache.MEASUREMENTS:
                 times = f"{len(measured) + 1} of {costcache.MEASUREMENTS}, one a run,"
                 self._announce("the models' costs for -k auto", "these models", times)
                 measured.append(self.measure_costs(sizes, reps=5))
-                costcache.save(key, measured)
+                save_costs(key, measured)
             self._prices = median_costs(measured), measured[0]
         return self._prices
 
@@ -371,22 +373,20 @@ class LoadedModels:
             "repack": self.repack,
             "slots": o.parallel,
         }
-        record = FlashAttnRecord.load(costcache.cache_key([model.path], settings))
-        depth = record.depth(n_ctx // o.parallel // 2)
-        if o.parallel == 1 and record.runs_disagree(depth):  # slots' calls vary too much
-            record.measure_again(depth)
-        measured = len(record.measured_at(depth))
-        if measured < costcache.MEASUREMENTS:
-            times = f"{measured + 1} of {costcache.MEASUREMENTS}, one a run, {depth} tokens deep,"
-            self._announce("flash attention on and off for -fa auto", model.path.name, times)
-            record.add_measurement(depth, self.time_flash_attn(model, n_ctx, threads, depth))
-        used = record.verdict(depth)
-        self._flash_attn_records[model.path] = record
-        return FlashAttnChoice(asked, used)
+        key = costcache.cache_key([model.path], settings)
+        record = FlashAttnRecord.load(key, deepest=n_ctx // o.parallel // 2)
 
-    def time_flash_attn(
-        self, model: Model, n_ctx: int, threads: int, depth: int
-    ) -> dict[str, dict[int, float]]:
+        def measure(depth: int) -> Timings:
+            done = len(record.measured_at(depth))
+            times = f"{done + 1} of {costcache.MEASUREMENTS}, one a run, {depth} tokens deep,"
+            self._announce("flash attention on and off for -fa auto", model.path.name, times)
+            return self.time_flash_attn(model, n_ctx, threads, depth)
+
+        used = record.choose(measure, check_runs=o.parallel == 1)  # slots' calls vary too much
+        self._flash_attn_records[model.path] = record
+        return FlashAttnChoice(asked, used, record.switched_from)
+
+    def time_flash_attn(self, model: Model, n_ctx: int, threads: int, depth: int) -> Timings:
         """Seconds of `model`'s decodes with flash attention "on" and "off", each slot
         `depth` tokens deep, in two short-lived contexts of as many slots as the engine's
         (see costmodel.time_decodes). With slots, each token's attention spans every

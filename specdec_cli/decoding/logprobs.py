@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdec_cli.decoding.sampling import SamplingParams, distribution, top_k_ids
-from specdec_cli.llamacpp.rowexp import exp_sum
+from specdec_cli.llamacpp.rowexp import exp_sum, scratch_row
 
 # The most alternatives the API lists per token (OpenAI's top_logprobs allows 20).
 MAX_TOP = 20
@@ -65,7 +65,7 @@ def _model(row: np.ndarray, token: int, n: int) -> TokenLogprob:
     kept buffer (the ggml kernel rowexp uses), and a partition for the top."""
     ids = _best(row, n)
     top = float(row[ids[0]]) if len(ids) else float(row.max())  # the likeliest's: the max
-    norm = top + math.log(exp_sum(row, top, _scratch(len(row))))
+    norm = top + math.log(exp_sum(row, top, scratch_row(len(row))))
     return TokenLogprob(
         token, float(row[token]) - norm, tuple((int(i), float(row[i]) - norm) for i in ids)
     )
@@ -95,14 +95,3 @@ def _best(values: np.ndarray, n: int) -> np.ndarray:
         return np.empty(0, np.int64)
     ids = top_k_ids(values, n)
     return ids[np.lexsort((ids, -values[ids]))]
-
-
-_scratch_rows: dict[int, np.ndarray] = {}
-
-
-def _scratch(n_vocab: int) -> np.ndarray:
-    """A row-sized buffer for the exps, kept: only their sum is wanted, and a new row
-    per token would cost as much as the pass (one decode thread uses it at a time)."""
-    if n_vocab not in _scratch_rows:
-        _scratch_rows[n_vocab] = np.empty(n_vocab, np.float32)
-    return _scratch_rows[n_vocab]

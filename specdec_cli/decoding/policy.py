@@ -12,15 +12,12 @@ from typing import TYPE_CHECKING
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder
-from specdec_cli.decoding.drafters import (
-    Drafter,
-    LookupThenModel,
-    ModelDrafter,
-    NgramDrafter,
-    TextMemory,
-)
+from specdec_cli.decoding.draft import Drafter
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.heads import HEAD_KINDS, HeadDrafter, drafter_for
+from specdec_cli.decoding.lookupthenmodel import LookupThenModel
+from specdec_cli.decoding.modeldrafter import ModelDrafter
+from specdec_cli.decoding.ngram import NgramDrafter, TextMemory
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.translate import TranslatedDrafter
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, TreePolicy

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from specdec_cli.llamacpp.rowexp import exp_sum
+from specdec_cli.llamacpp.rowexp import exp_sum, scratch_row
 
 BLOCK = 1024  # tokens per block sum of a DenseDist
 # From this vocabulary size on, the passes over a whole row (every token's exp) are
@@ -159,16 +159,6 @@ def _dense_layout(n_vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return ids, starts
 
 
-_scratch_rows: dict[int, np.ndarray] = {}
-
-
-def _scratch(n_vocab: int) -> np.ndarray:
-    """A row-sized buffer kept across calls, for values used only within one call."""
-    if n_vocab not in _scratch_rows:
-        _scratch_rows[n_vocab] = np.empty(n_vocab, np.float32)
-    return _scratch_rows[n_vocab]
-
-
 def distribution(logits: np.ndarray, params: SamplingParams) -> Dist:
     """Turn one row of logits into the distribution llama.cpp's default chain samples from.
 
@@ -210,7 +200,7 @@ def _nucleus(logits: np.ndarray, params: SamplingParams) -> Dist:
         dist = _nucleus_near(logits, top, margin, params)
         if dist is not None:
             return dist
-    weights = _scratch(len(logits))
+    weights = scratch_row(len(logits))
     total = exp_sum(logits, top, out=weights)
     ids = _candidates(logits, weights, top, total, params)
     beyond = total - float(weights[ids].sum())  # the mass of the other tokens

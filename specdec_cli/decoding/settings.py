@@ -103,11 +103,8 @@ def parse_tree(tree: str) -> int | None:
         return None
     if tree == "auto":
         return AUTO_TREE_NODES
-    try:
-        value = int(tree)
-    except ValueError:
-        value = 0
-    if value < 2:
+    value = _at_least(tree, 2)
+    if value is None:
         raise UserError(
             f"--tree must be 'off', 'auto' or a number of draft tokens of at least 2 (got {tree!r})"
         )
@@ -118,10 +115,16 @@ def parse_k(k: str) -> int | None:
     """A draft length: a positive integer, or None for "auto"."""
     if k == "auto":
         return None
-    try:
-        value = int(k)
-    except ValueError:
-        value = 0
-    if value < 1:
+    value = _at_least(k, 1)
+    if value is None:
         raise UserError(f"-k must be a whole number of at least 1, or 'auto' (got {k!r})")
     return value
+
+
+def _at_least(text: str, least: int) -> int | None:
+    """`text` as a whole number, if it is one of at least `least`."""
+    try:
+        value = int(text)
+    except ValueError:
+        return None
+    return value if value >= least else None

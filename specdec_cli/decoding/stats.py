@@ -8,18 +8,22 @@ from dataclasses import dataclass, field, fields
 
 @dataclass(frozen=True)
 class FlashAttnChoice:
-    """-fa as asked and as used: "auto" becomes what measured faster (see Engine)."""
+    """-fa as asked and as used: "auto" becomes what measured faster (see Engine), and
+    says when it switched from what earlier runs used (their greedy texts may differ)."""
 
     asked: str
     used: str
+    switched_from: str | None = None
 
     def __str__(self) -> str:
-        if self.asked == "auto":
-            return f"auto -> {self.used} (measured)"
-        return self.used
+        if self.asked != "auto":
+            return self.used
+        if self.switched_from:
+            return f"auto -> {self.used} (measured; switched from {self.switched_from})"
+        return f"auto -> {self.used} (measured)"
 
-    def to_dict(self) -> dict[str, str]:
-        return {"asked": self.asked, "used": self.used}
+    def to_dict(self) -> dict[str, str | None]:
+        return {"asked": self.asked, "used": self.used, "switched_from": self.switched_from}
 
 
 @dataclass

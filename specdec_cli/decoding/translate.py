@@ -28,14 +28,8 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from specdec_cli.decoding.drafters import (
-    Draft,
-    DraftSteps,
-    KeepDrafting,
-    ModelDrafter,
-    TreeShape,
-    merge_into_tree,
-)
+from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape, merge_into_tree
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import GREEDY, Dist, Noise, SamplingParams
 from specdec_cli.llamacpp import costcache
 from specdec_cli.llamacpp.llama import Model

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
-from specdec_cli.decoding.drafters import Draft, TreeShape
+from specdec_cli.decoding.draft import Draft, TreeShape
 from specdec_cli.decoding.draftlength import Calibration
 
 MAX_WIDTH = 4  # nodes extended per depth, and children per node, at most

@@ -18,22 +18,24 @@ Other one-time findings live beside the costs, under the same kind of key: the
 flash attention setting measured faster, and whether this CPU survives llama.cpp's
 repacked (AMX) kernels.
 
+The entries are plain JSON, each kind read and written by its user: the costs by
+decoding/costmodel.py (load_costs, save_costs), the flash attention setting by
+decoding/flashattn.py, the repack verdict by probe.py.
+
 Where: $SPECDEC_CACHE_DIR, else the OS's per-user cache directory (machine.user_dir).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 
-from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.llamacpp import backend, machine
 
 FORMAT = 3  # bump when the meaning of a measurement changes
@@ -88,27 +90,3 @@ def save_entry(kind: str, key: str, data: dict[str, Any]) -> None:
         temporary.replace(path)  # atomic: a concurrent reader sees all or nothing
     except OSError:
         pass
-
-
-def load(key: str) -> list[Costs]:
-    """The measurements kept under `key`, oldest first (none: an empty list)."""
-    data = load_entry("costs", key)
-    if data is None:
-        return []
-    try:
-        return [_costs(dict(measurement)) for measurement in data["measurements"]]
-    except (ValueError, KeyError, TypeError, AttributeError):  # damaged, or an old format
-        return []
-
-
-def _costs(data: dict[str, Any]) -> Costs:
-    verify = {int(n): float(v) for n, v in data.pop("verify").items()}
-    return Costs(**{name: float(v) for name, v in data.items()}, verify=verify)
-
-
-def save(key: str, measured: Sequence[Costs]) -> None:
-    """Keep the last MEASUREMENTS of `measured` under `key`. (LoadedModels adds to
-    fewer than MEASUREMENTS only, so the first, which rejection-sampled generations
-    price with, is never dropped.)"""
-    kept = [dataclasses.asdict(costs) for costs in measured[-MEASUREMENTS:]]
-    save_entry("costs", key, {"measurements": kept})

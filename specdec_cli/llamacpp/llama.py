@@ -323,7 +323,7 @@ class Context:
         # Called after each decode call with this context's tokens in it: (the position
         # of its first token, its places in the batch); for a tree's call, at keep_branch
         # with the kept path's places. A drafting head reads the target's hidden states there
-        # (see heads.record_hidden_states).
+        # (see hiddenstates.record_hidden_states).
         self.on_decoded: Callable[[int, slice | list[int]], None] | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0

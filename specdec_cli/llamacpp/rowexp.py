@@ -41,6 +41,19 @@ def exp_sum(x: np.ndarray, shift: float, out: np.ndarray) -> float:
     return numpy_exp_sum(x, shift, out)
 
 
+_scratch_rows: dict[int, np.ndarray] = {}
+
+
+def scratch_row(n: int) -> np.ndarray:
+    """A float32 row of n values, kept across calls: an `out` for exp_sum where the exps
+    are wanted only within one call (their sum, a cut), as a new row per token would cost
+    as much as the pass. One row per length for every caller, so a caller must be done
+    with it before anything else may use it (one decode thread uses it at a time)."""
+    if n not in _scratch_rows:
+        _scratch_rows[n] = np.empty(n, np.float32)
+    return _scratch_rows[n]
+
+
 def kernel_name() -> str:
     """Which exp is in use, for `specdec info`."""
     return "numpy" if _kernel() is numpy_exp_sum else "llama.cpp (ggml_vec_soft_max_f32)"

@@ -290,6 +290,18 @@ def conversation(prompt: str | None, options: ChatOptions) -> list[Message]:
     return messages
 
 
+TOOLS_NEED_JINJA = (
+    "tools need the model's Jinja template (llama.cpp's built-in formats cannot describe "
+    "them); drop --no-jinja, or name a Jinja template file"
+)
+
+
+def runs_jinja(template: str, format: ChatFormat) -> bool:
+    """Whether `template` renders as Jinja (which can describe tools), or as one of
+    llama.cpp's built-in formats."""
+    return format.jinja and template not in builtin_chat_templates()
+
+
 def render(
     model: Model,
     messages: list[Message],
@@ -313,13 +325,10 @@ def render(
         )
     prefill = messages[-1].content if messages[-1].role == "assistant" else None
     turns = messages[:-1] if prefill is not None else messages
-    if format.jinja and template not in builtin_chat_templates():
+    if runs_jinja(template, format):
         text = _render_jinja(model, template, turns, format.kwargs, tools)
     elif tools:
-        raise UserError(
-            "tools need the model's Jinja template (llama.cpp's built-in formats cannot "
-            "describe them); drop --no-jinja, or name a Jinja template file"
-        )
+        raise UserError(TOOLS_NEED_JINJA)
     else:
         text = _render_builtin(model, template, turns)
     return text + (prefill or "")

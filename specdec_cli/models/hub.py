@@ -14,12 +14,13 @@ import contextlib
 import re
 import sys
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import Any, NamedTuple
 
 from huggingface_hub import (
     CacheNotFound,
     HfApi,
     constants,
+    get_session,
     hf_hub_download,
     is_offline_mode,
     scan_cache_dir,
@@ -62,6 +63,7 @@ _SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 # What huggingface-hub raises: its HTTP errors are OSErrors, LocalEntryNotFoundError is a
 # FileNotFoundError, offline mode a ConnectionError; connection failures come from its HTTP library.
 _HUB_ERRORS = (EntryNotFoundError, HFValidationError, OSError, hub_http.HTTPError)
+PROBE_SECONDS = 5.0  # how long the one request that asks whether the Hub answers may take
 
 
 class RichBar(tqdm):
@@ -115,6 +117,16 @@ def is_cached(ref: str) -> bool:
     return filename is not None and isinstance(try_to_load_from_cache(repo_id, filename), str)
 
 
+def hub_unreachable() -> str | None:
+    """Why the Hub (HF_ENDPOINT) cannot be reached, from one request with a short timeout
+    and no retries; None where it answers."""
+    try:
+        status = get_session().head(constants.ENDPOINT, timeout=PROBE_SECONDS).status_code
+    except (hub_http.TransportError, OSError) as err:
+        return f"{constants.ENDPOINT}: {_first_line(err)}"
+    return f"{constants.ENDPOINT} answers HTTP {status}" if status >= 500 else None
+
+
 def fetch_gguf(ref: str) -> Path:
     """Download (or find in the cache) the GGUF file ref names; return its local path.
 
@@ -122,20 +134,65 @@ def fetch_gguf(ref: str) -> Path:
     finds the other parts next to it.
     """
     repo_id, part, quant = _parse(ref)  # `part` names the file being fetched, for errors
+    local = is_offline_mode() or is_cached(ref)
+    unreachable = None if local else hub_unreachable()
+    lookup = _Lookup(ref, repo_id, part, quant, unreachable)
     paths = []
     try:
-        parts = _split_parts(part or _pick_file(repo_id, quant))
+        parts = _split_parts(part or _pick_file(lookup))
         # Progress bars are for people watching; keep pipes and logs clean.
         watched = sys.stderr.isatty()
         with contextlib.nullcontext() if watched else disable_progress_bars():
             for part in parts:
+                lookup = lookup._replace(filename=part)
                 bar = RichBar if watched else None
-                paths.append(hf_hub_download(repo_id, part, tqdm_class=bar))
+                paths.append(
+                    hf_hub_download(
+                        repo_id, part, tqdm_class=bar, local_files_only=lookup.from_cache
+                    )
+                )
     except _HUB_ERRORS as err:
-        raise _explain(err, ref, repo_id, part) from err
+        raise _explain(err, lookup) from err
     # Return the snapshot path, not the resolved blob: the blobs are named by hash, so only in
     # the snapshot directory do a split model's parts sit next to each other under their names.
     return Path(paths[0])
+
+
+class _Lookup(NamedTuple):
+    """One reference being fetched, and why it must come from the cache (if it must)."""
+
+    ref: str
+    repo_id: str
+    filename: str | None  # the file (or split part) being fetched, once known
+    quant: str | None
+    unreachable: str | None  # why the Hub cannot be reached (None: it answered, or not asked)
+
+    @property
+    def from_cache(self) -> bool:
+        return self.unreachable is not None or is_offline_mode()
+
+    @property
+    def what(self) -> str:
+        return f"{self.repo_id}/{self.filename}" if self.filename else self.ref
+
+    def download_command(self) -> str:
+        """The `hf` command (huggingface-hub's own) that downloads the file, where the Hub
+        answers."""
+        if self.filename:
+            return f"hf download {self.repo_id} {self.filename}"
+        return f"hf download {self.repo_id} --include '*{self.quant or DEFAULT_QUANT}*.gguf'"
+
+    def not_cached(self) -> UserError:
+        if self.unreachable is None:  # HF_HUB_OFFLINE
+            return UserError(
+                f"{self.what} is not in the local Hugging Face cache and HF_HUB_OFFLINE is "
+                "set; run once online or unset HF_HUB_OFFLINE"
+            )
+        return UserError(
+            f"{self.what} is not in the local Hugging Face cache, and the Hub cannot be "
+            f"reached ({self.unreachable}); download it where the Hub answers "
+            f"(`{self.download_command()}`), or check your connection, proxy or HF_ENDPOINT"
+        )
 
 
 def _parse(ref: str) -> tuple[str, str | None, str | None]:
@@ -153,13 +210,14 @@ def _parse(ref: str) -> tuple[str, str | None, str | None]:
     return groups["repo"], filename, groups["quant"]
 
 
-def _pick_file(repo_id: str, quant: str | None) -> str:
+def _pick_file(lookup: _Lookup) -> str:
     """Choose the GGUF file for OWNER/REPO[:QUANT] from the repo's file list."""
-    if is_offline_mode():
+    repo_id, quant = lookup.repo_id, lookup.quant
+    if lookup.from_cache:
         where = f"the cached copy of {repo_id}"
         files = _cached_files(repo_id)
         if not files:
-            raise _not_cached(f"{repo_id}:{quant}" if quant else repo_id)
+            raise lookup._replace(ref=f"{repo_id}:{quant}" if quant else repo_id).not_cached()
     else:
         where = repo_id
         files = HfApi().list_repo_files(repo_id)
@@ -234,16 +292,9 @@ def _split_parts(filename: str) -> list[str]:
     return [f"{stem}-{part:05d}-of-{total}.gguf" for part in range(1, int(total) + 1)]
 
 
-def _not_cached(what: str) -> UserError:
-    return UserError(
-        f"{what} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
-        "run once online or unset HF_HUB_OFFLINE"
-    )
-
-
-def _explain(err: Exception, ref: str, repo_id: str, filename: str | None) -> UserError:
+def _explain(err: Exception, lookup: _Lookup) -> UserError:
     """One line for each way a Hub look-up fails."""
-    what = f"{repo_id}/{filename}" if filename else ref
+    ref, repo_id, filename, what = lookup.ref, lookup.repo_id, lookup.filename, lookup.what
     # Subclasses before their bases: GatedRepoError is a RepositoryNotFoundError, and
     # LocalEntryNotFoundError an EntryNotFoundError; the first three are HfHubHTTPErrors.
     if isinstance(err, GatedRepoError):
@@ -259,8 +310,8 @@ def _explain(err: Exception, ref: str, repo_id: str, filename: str | None) -> Us
     if isinstance(err, RevisionNotFoundError):
         return UserError(f"{repo_id} has no 'main' branch; check the repository name")
     if isinstance(err, LocalEntryNotFoundError):
-        if is_offline_mode():
-            return _not_cached(what)
+        if lookup.from_cache:
+            return lookup.not_cached()
         return UserError(
             f"could not reach the Hugging Face Hub to download {what}, and it is not in the local "
             "cache; check your connection"

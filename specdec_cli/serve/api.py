@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specdec_cli.decoding.grammar import Grammar
+from specdec_cli.decoding.grammar import Grammar, check_json_bytes
 from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
@@ -44,7 +44,7 @@ class ServeOptions:
     # --cache-ram, and its default); 0: none.
     cache_ram: int = 8192
     # Tokens of recent requests' texts that every slot's n-gram lookup may find (greedy
-    # requests; see drafters.TextMemory), as llama-server's ngram-mod map is shared.
+    # requests; see ngram.TextMemory), as llama-server's ngram-mod map is shared.
     ngram_memory: int = 16384
     # --chat-template, --jinja, ...; by default the model's own template, as Jinja
     chat: ChatFormat = field(default_factory=ChatFormat)
@@ -119,11 +119,12 @@ class GenerationRequest:
     # What the output follows: response_format's JSON object or schema, or llama-server's
     # "grammar" (GBNF) or "json_schema" (see decoding/grammar.py); None: nothing.
     grammar: Grammar | None = None
+    grammar_field: str | None = None  # the field the grammar came in, for its errors
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
-        named choice. ("required" is passed on as it is: decoding is not constrained,
-        the template and the model decide.)"""
+        named choice (whose call, as "required"'s, a grammar then enforces: see
+        Service.tool_grammar)."""
         if self.tool_choice == "none":
             return []
         if self.tool_choice == "function":
@@ -157,6 +158,7 @@ def parse_request(
     if options is not None and not stream:
         raise ApiError("stream_options is only allowed with stream: true", param="stream_options")
     include_usage = bool(options and _optional(options, "include_usage", bool, "stream_options."))
+    grammar, grammar_field = _grammar(body)
     request = GenerationRequest(
         chat=chat,
         max_tokens=_max_tokens(body, chat),
@@ -167,11 +169,19 @@ def parse_request(
         include_usage=include_usage,
         speculation=_speculation(body),
         logprobs=_logprobs(body, chat),
-        grammar=_grammar(body),
+        grammar=grammar,
+        grammar_field=grammar_field,
     )
     if chat:
         tools = _tools(body)
         choice, name = _tool_choice(body, tools)
+        if choice in ("required", "function") and request.grammar is not None:
+            # Both would constrain the one reply: never follow one and drop the other.
+            raise ApiError(
+                f"tool_choice {body['tool_choice']!r} requires a tool call, which cannot "
+                "also follow response_format (or grammar, json_schema): send one of them",
+                param="tool_choice",
+            )
         return replace(
             request,
             messages=_messages(body),
@@ -208,11 +218,11 @@ def refuse_unsupported(body: dict[str, object], chat: bool) -> None:
             raise ApiError(f"{name} is not supported by specdec serve (leave it 0)", param=name)
 
 
-def _grammar(body: dict[str, object]) -> Grammar | None:
+def _grammar(body: dict[str, object]) -> tuple[Grammar | None, str | None]:
     """OpenAI's response_format ({"type": "json_object"}, or "json_schema" with its
     {"name", "schema", "strict"}), or llama-server's "grammar" (GBNF) or "json_schema" (a
     schema): at most one. The schema is checked against the vocabulary later (see
-    Service.prompt_tokens); here, that it parses."""
+    Service.prompt_tokens); here, that it parses. With the field it came in."""
     given: list[tuple[str, Any]] = []
     response_format = _optional(body, "response_format", dict)
     kind = response_format.get("type", "text") if response_format is not None else "text"
@@ -238,7 +248,7 @@ def _grammar(body: dict[str, object]) -> Grammar | None:
     if body.get("grammar") is not None:
         given.append(("grammar", body["grammar"]))
     if not given:
-        return None
+        return None, None
     if len(given) > 1:
         names = " and ".join(name for name, _ in given)
         raise ApiError(f"give one of {names}, not both", param=given[1][0])
@@ -247,12 +257,12 @@ def _grammar(body: dict[str, object]) -> Grammar | None:
         if name == "grammar":
             if not isinstance(value, str):
                 raise ApiError("grammar must be a string (GBNF)", param=name)
-            return Grammar.gbnf(value)
+            return Grammar.gbnf(value), name
         if value is None:
-            return Grammar.json_object()
+            return Grammar.json_object(), name
         if not isinstance(value, dict | bool):
             raise ApiError("the JSON schema must be a JSON object", param=name)
-        return Grammar.json_schema(value)
+        return Grammar.json_schema(value), name
     except UserError as err:
         raise ApiError(str(err), param=name) from None
 
@@ -375,6 +385,10 @@ def _tools(body: dict[str, object]) -> tuple[dict[str, Any], ...]:
         return ()
     if not isinstance(tools, list):
         raise ApiError(f"tools must be a list of {TOOL_SHAPE}", param="tools")
+    try:  # before the template and the grammar of tool_choice read them
+        check_json_bytes("the tools field, as JSON,", tools)
+    except UserError as err:
+        raise ApiError(str(err), param="tools") from None
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (

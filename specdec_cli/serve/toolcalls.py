@@ -25,12 +25,17 @@ from typing import Any
 
 from specdec_cli.decoding.grammar import JSON_WHITESPACE, check_schema_depth
 from specdec_cli.decoding.textstream import tail_starting
+from specdec_cli.serve.reasoning import END, START
 
 HERMES, MISTRAL, LLAMA3, GENERIC = "hermes", "mistral", "llama3", "generic"
 # The texts a reply in each format must keep, though they may be control tokens
 # (which llama.cpp otherwise writes as nothing); the first begins a call.
 MARKER_TEXTS = {HERMES: ("<tool_call>", "</tool_call>"), MISTRAL: ("[TOOL_CALLS]",),
                 LLAMA3: ("<|python_tag|>",), GENERIC: ()}  # fmt: skip
+# Where a reply that must call thinks first: the prompt opened the block, or the model may.
+THOUGHTS_OPEN, THOUGHTS_OPTIONAL = "open", "optional"
+_ANY = "(.|\\n)*"  # any text, in llguidance's regex
+_END_TEXT = re.escape(END).replace("/", "\\/")
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 # A $ref to a part of its own document, in JSON text as json.dumps writes it.
 _LOCAL_REF = re.compile(r'"\$ref": "#(?=[/"])')
@@ -153,12 +158,19 @@ def _calls(value: Any) -> list[ToolCall]:
 
 
 def call_grammar(
-    kind: str, tools: list[dict[str, Any]], parallel: bool, marker: Callable[[str], str]
+    kind: str,
+    tools: list[dict[str, Any]],
+    parallel: bool,
+    marker: Callable[[str], str],
+    thinking: str | None = None,
 ) -> str:
     """Lark for llguidance (see decoding/grammar.py): a reply that is nothing but calls of
     `tools`, in the format `kind`, as this parser reads them; at most one unless
     `parallel`. Each call's arguments follow its function's parameter schema.
-    `marker(text)`: a marker in Lark (a special token where the vocabulary has one)."""
+    `marker(text)`: a marker in Lark (a special token where the vocabulary has one).
+    `thinking`: THOUGHTS_OPEN where the prompt left the reply inside a thinking block (its
+    thoughts run free up to the end marker, then the calls), THOUGHTS_OPTIONAL where the
+    model may open one itself; None where it does not think."""
     arguments = "parameters" if kind == LLAMA3 else "arguments"
     # llama.cpp's whitespace between JSON tokens (llguidance's default has no limit)
     spacing = {"whitespace_pattern": JSON_WHITESPACE}
@@ -168,19 +180,20 @@ def call_grammar(
     many: dict[str, Any] = {"type": "array", "items": {"anyOf": calls}, "minItems": 1}
     if not parallel:
         many["maxItems"] = 1
+    start = _start(thinking, marker)
     if kind == HERMES:
         opening, closing = marker("<tool_call>"), marker("</tool_call>")
         repeat = "+" if parallel else ""
         return (
-            f"start: (call NL?){repeat}\n"
+            f"{start}calls: (call NL?){repeat}\n"
             f"call: {opening} NL? {_lark_json(call)} NL? {closing}\n"
             "NL: /\\n/\n"
         )
     if kind == MISTRAL:
         many["x-guidance"], many["$defs"] = spacing, defs
-        return f"start: {marker('[TOOL_CALLS]')} {_lark_json(many)}\n"
+        return f"{start}calls: {marker('[TOOL_CALLS]')} {_lark_json(many)}\n"
     if kind == LLAMA3:
-        return f"start: {_lark_json(call)}\n"
+        return f"{start}calls: {_lark_json(call)}\n"
     generic = {
         "type": "object",
         "properties": {"tool_calls": many},
@@ -189,7 +202,27 @@ def call_grammar(
         "x-guidance": spacing,
         "$defs": defs,
     }
-    return f"start: {_lark_json(generic)}\n"
+    return f"{start}calls: {_lark_json(generic)}\n"
+
+
+def _start(thinking: str | None, marker: Callable[[str], str]) -> str:
+    """The start rule, before `calls`: thoughts first where the reply may think. They run
+    free until the end marker: where it is a special token, text that never spells it,
+    then the token; where it is text, a lazy lexeme that ends at its first occurrence (a
+    greedy one would read past it: llguidance's lexer never backtracks)."""
+    if thinking is None:
+        return "start: calls\n"
+    end = marker(END)
+    if end.startswith("<["):
+        thoughts = f"thoughts: THOUGHT {end}\nTHOUGHT: /{_ANY}/ & ~/{_ANY}{_END_TEXT}{_ANY}/\n"
+    else:
+        thoughts = f"thoughts[lazy]: /{_ANY}{_END_TEXT}/\n"
+    block = "thoughts SPACE?"
+    if thinking == THOUGHTS_OPTIONAL:
+        block = f"({marker(START)} {block})?"
+    # white space between the thoughts and the calls, bounded as JSON_WHITESPACE is: a model
+    # indifferent to it must not pad there until max_tokens
+    return f"start: {block} calls\n{thoughts}SPACE: /[ \\t\\r\\n]{{1,4}}/\n"
 
 
 def _lark_json(schema: dict[str, Any]) -> str:
