@@ -15,6 +15,7 @@ from test_cli_run import assert_user_error, specdec
 import specdec_cli
 from specdec_cli.commands.bench import BUILTIN_PROMPTS, BenchReport, Variant, VariantResult
 from specdec_cli.commands.display import sampling_flags
+from specdec_cli.commands.workload import plain_workload
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
@@ -54,10 +55,10 @@ def stats(
 
 
 def report(*results: VariantResult, c: float = 0.05, prompts: int = 1) -> BenchReport:
-    names = {f"p{i}": f"prompt {i}" for i in range(prompts)}
+    workload = plain_workload({f"p{i}": f"prompt {i}" for i in range(prompts)}, "test")
     repeat = len(results[0].runs) // prompts
     costs = Costs(0.001, c, VERIFY)
-    return BenchReport(names, list(results), costs, 100, repeat, FlashAttnChoice("auto", "on"))
+    return BenchReport(workload, list(results), costs, 100, repeat, FlashAttnChoice("auto", "on"))
 
 
 def baseline(speed: float = 100.0) -> VariantResult:

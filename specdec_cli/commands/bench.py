@@ -1,27 +1,33 @@
 """`specdec bench`: target-only and speculative variants, measured side by side.
 
-Variants run interleaved (for each repeat, for each prompt, every variant in turn)
-so that machine noise hits them alike. Each variant's figures come from the same
-Stats the decode loop keeps in `run`, and the cost model turns the measured
-acceptance and costs into the speedup a perfect implementation would reach.
+Variants run interleaved (for each repeat, for each prompt and each of its turns,
+every variant in turn) so that machine noise hits them alike. Each variant's figures
+come from the same Stats the decode loop keeps in `run`, and the cost model turns the
+measured acceptance and costs into the speedup a perfect implementation would reach.
+A question's later turns follow each variant's own answers (see workload.py); its
+turns' figures add up to the question's.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from specdec_cli import __version__
+from specdec_cli.commands.workload import Workload
 from specdec_cli.decoding import costmodel
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
+from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import backend, machine
+from specdec_cli.llamacpp.llama import Model
+from specdec_cli.models.chat import ChatFormat, Message, chat_tokens, render
 
 BUILTIN_PROMPTS = {
     "story": "Once upon a time, in a small village by the sea, there lived a girl who",
@@ -36,6 +42,9 @@ BUILTIN_PROMPTS = {
 }
 
 WARMUP_TOKENS = 16
+# Room for each earlier answer of a conversation beyond its -n tokens: its text,
+# tokenized again inside the next turn's prompt, may take a few more.
+ANSWER_SLACK = 16
 # Past these, the figures say more about the machine's load than about speculation.
 EFFICIENCY_LIMIT = 1.1  # speedup / ideal: the ideal is a bound, up to noise
 DRIFT_LIMIT = 0.1  # the target alone's tokens/s, between its slowest and fastest repeat
@@ -83,25 +92,35 @@ class Variant:
 @dataclass
 class VariantResult:
     variant: Variant
-    # One Stats per (repeat, prompt), in that order.
+    # One Stats per (repeat, prompt), in that order; a question's turns added up.
     runs: list[Stats] = field(default_factory=list)
 
-    def repeat_speeds(self, n_prompts: int) -> list[float]:
-        """Tokens/s of each repeat over the whole prompt set."""
+    def by_repeat(self, n_prompts: int, among: Sequence[int] | None = None) -> list[list[Stats]]:
+        """Each repeat's runs: of every prompt, or of the prompts `among` (their indices)."""
         chunks = [self.runs[i : i + n_prompts] for i in range(0, len(self.runs), n_prompts)]
-        return [sum(s.tokens for s in c) / sum(s.seconds for s in c) for c in chunks]
+        return chunks if among is None else [[c[j] for j in among] for c in chunks]
 
-    def total(self) -> Stats:
-        """All runs added up, for acceptance, passes and the time split."""
+    def repeat_speeds(self, n_prompts: int, among: Sequence[int] | None = None) -> list[float]:
+        """Tokens/s of each repeat over the whole prompt set (or over the prompts `among`):
+        their tokens over their seconds."""
+        return [_speed(c) for c in self.by_repeat(n_prompts, among)]
+
+    def total(self, runs: Iterable[Stats] | None = None) -> Stats:
+        """All runs (or `runs`) added up, for acceptance, passes and the time split."""
         out = Stats(k=self.variant.k)
-        for s in self.runs:
+        for s in self.runs if runs is None else runs:
             out.add(s)
         return out
 
 
+def _speed(runs: list[Stats]) -> float:
+    seconds = sum(s.seconds for s in runs)
+    return sum(s.tokens for s in runs) / seconds if seconds > 0 else 0.0
+
+
 @dataclass
 class BenchReport:
-    prompts: dict[str, str]
+    workload: Workload
     results: list[VariantResult]
     costs: Costs
     n_predict: int
@@ -113,12 +132,18 @@ class BenchReport:
     def baseline(self) -> VariantResult:
         return self.results[0]
 
-    def median_speed(self, result: VariantResult) -> float:
-        return statistics.median(result.repeat_speeds(len(self.prompts)))
+    @property
+    def n_prompts(self) -> int:
+        return len(self.workload.questions)
 
-    def speedup(self, result: VariantResult) -> float:
-        """Ratio of medians, both measured in this run."""
-        return self.median_speed(result) / self.median_speed(self.baseline)
+    def median_speed(self, result: VariantResult, among: Sequence[int] | None = None) -> float:
+        """Median over repeats of tokens/s, over every prompt or the prompts `among`."""
+        return statistics.median(result.repeat_speeds(self.n_prompts, among))
+
+    def speedup(self, result: VariantResult, among: Sequence[int] | None = None) -> float:
+        """Ratio of medians, both measured in this run (over the prompts `among`)."""
+        base = self.median_speed(self.baseline, among)
+        return self.median_speed(result, among) / base if base else 0.0
 
     def draft_cost(self, variant: Variant) -> float:
         """c for the cost model: a lookup costs next to nothing."""
@@ -134,11 +159,27 @@ class BenchReport:
 
     def speed_by_prompt(self, result: VariantResult) -> dict[str, float]:
         """Median tokens/s per prompt over the repeats."""
-        n = len(self.prompts)
+        n = self.n_prompts
         return {
-            name: statistics.median(s.tokens_per_second for s in result.runs[i::n])
-            for i, name in enumerate(self.prompts)
+            question.name: statistics.median(s.tokens_per_second for s in result.runs[i::n])
+            for i, question in enumerate(self.workload.questions)
         }
+
+    def by_category(self, result: VariantResult) -> dict[str, dict[str, float]]:
+        """Each category's figures, as the whole run's: tokens over seconds summed over the
+        category's questions in each repeat, the median over repeats, its ratio to the
+        target alone's; acceptance, tokens a pass and mean k over all its runs."""
+        figures = {}
+        for category, among in self.workload.categories.items():
+            t = result.total(s for runs in result.by_repeat(self.n_prompts, among) for s in runs)
+            figures[category] = {
+                "speedup": round(self.speedup(result, among), 4),
+                "tokens_per_second": round(self.median_speed(result, among), 2),
+                "tokens_per_pass": round(t.tokens_per_pass, 4),
+                "acceptance_rate": round(t.acceptance_rate, 4),
+                "k_mean": round(t.mean_k, 3),
+            }
+        return figures
 
     def verdict(self) -> str:
         """One plain sentence: what pays, or why nothing does."""
@@ -172,7 +213,7 @@ class BenchReport:
     def warnings(self) -> list[str]:
         """Why the figures cannot be trusted, if they cannot: the machine's speed changed."""
         out = []
-        speeds = self.baseline.repeat_speeds(len(self.prompts))
+        speeds = self.baseline.repeat_speeds(self.n_prompts)
         drift = max(speeds) / min(speeds) - 1.0 if min(speeds) > 0 else 0.0
         if drift > DRIFT_LIMIT:
             out.append(
@@ -197,7 +238,9 @@ class BenchReport:
             "settings": {
                 "n_predict": self.n_predict,
                 "repeat": self.repeat,
-                "prompts": self.prompts,
+                "prompts_from": self.workload.source,
+                "per_category": self.workload.per_category,
+                "prompts": self.workload.described(),
                 "flash_attn": self.flash_attn.to_dict(),
                 **self.setup,
             },
@@ -210,7 +253,7 @@ class BenchReport:
         }
 
     def variant_dict(self, result: VariantResult) -> dict[str, object]:
-        speeds = result.repeat_speeds(len(self.prompts))
+        speeds = result.repeat_speeds(self.n_prompts)
         t = result.total()
         seconds = t.seconds or 1.0
         out: dict[str, object] = {
@@ -244,6 +287,7 @@ class BenchReport:
             if t.llama_seconds
             else 0.0,
             "overhead_share": round(1.0 - t.llama_seconds / seconds, 4),
+            "categories": self.by_category(result),
         }
         if result.variant.drafter is not None:
             ideal = self.ideal_speedup(result)
@@ -291,26 +335,56 @@ def environment() -> dict[str, object]:
     }
 
 
-def fit_context(texts: dict[str, str], n_predict: int, ks: list[str], draft_max: int) -> int:
-    """Just enough context for the benchmark: a larger KV cache slows every decode down."""
+def fit_context(
+    model: Model, workload: Workload, n_predict: int, ks: list[str], draft_max: int
+) -> int:
+    """Just enough context for the benchmark: a larger KV cache slows every decode down.
+    `model`: the target's vocabulary (loaded alone is enough)."""
+    check_chat_template(model, workload)
     longest_k = max([draft_max, *(int(k) for k in ks if k.isdigit())])
-    longest_prompt = max(len(t.encode()) for t in texts.values()) + 2  # tokens <= bytes + BOS
+    longest_prompt = max(
+        prompt_room(model, workload, q.turns, n_predict) for q in workload.questions
+    )
     return -(-(longest_prompt + n_predict + longest_k + 2) // 256) * 256
+
+
+def prompt_room(model: Model, workload: Workload, turns: tuple[str, ...], n_predict: int) -> int:
+    """The tokens a question's last turn starts from: its conversation, each earlier
+    answer counted as -n tokens and ANSWER_SLACK more."""
+    if workload.chat is None:
+        return len(model.tokenize(turns[0]))
+    messages = [m for turn in turns[:-1] for m in (Message("user", turn), Message("assistant", ""))]
+    messages.append(Message("user", turns[-1]))
+    text = render(model, messages, workload.chat)
+    return len(chat_tokens(model, text)) + (len(turns) - 1) * (n_predict + ANSWER_SLACK)
+
+
+def check_chat_template(model: Model, workload: Workload) -> None:
+    """Questions are chat turns: refuse a model that has no chat format (the one
+    `run --chat` would refuse), saying what to do instead."""
+    chat = workload.chat
+    if chat is not None and chat.template is None and model.chat_template() is None:
+        raise UserError(
+            f"{model.path.name} has no chat template, and the questions of {workload.source} "
+            "are chat turns; name its format with --chat-template (e.g. chatml) or "
+            "--chat-template-file, or give plain prompts (a --prompts file, one a line)"
+        )
 
 
 def run_bench(
     engine: Engine,
     variant_list: list[Variant],
-    prompts: dict[str, str],
+    workload: Workload,
     options: BenchOptions,
     advance: Callable[[str, int], None] = lambda name, steps: None,
 ) -> BenchReport:
-    """Measure every variant on every prompt, `repeat` times, interleaved. `advance`
-    hears what is being done and how many of the runs it finished."""
+    """Measure every variant on every prompt (every turn of every question), `repeat`
+    times, interleaved. `advance` hears what is being done and how many of the
+    generations it finished."""
     n_predict, repeat, seed = options.n_predict, options.repeat, options.seed
     variant_list = [v.named_for(engine) for v in variant_list]
-    tokenized = [engine.tokenize(p) for p in prompts.values()]
-    first_prompt = tokenized[0]
+    check_chat_template(engine.model, workload)
+    first_prompt = _turn_prompt(engine, workload.chat, [], workload.questions[0].turns[0])
     max_batch = 1 + max((_max_k(engine, v) for v in variant_list), default=0)
 
     def measure(reps: int) -> Costs:
@@ -327,14 +401,23 @@ def run_bench(
         _generate(decoder, first_prompt, WARMUP_TOKENS, seed)
     results = [VariantResult(v) for v in variant_list]
     order = list(range(len(variant_list)))
+    rotation = 0
     for r in range(repeat):
-        for p, prompt in enumerate(tokenized):
-            # Rotate who goes first, so no variant always runs right after another.
-            shift = (r * len(tokenized) + p) % len(order)
-            for i in order[shift:] + order[:shift]:
-                stats = _generate(decoders[i], prompt, n_predict, seed + r)
-                results[i].runs.append(stats)
-                advance(variant_list[i].name, 1)
+        for question in workload.questions:
+            asked = [Stats() for _ in variant_list]
+            histories: list[list[Message]] = [[] for _ in variant_list]
+            for turn in question.turns:
+                # Rotate who goes first, so no variant always runs right after another.
+                shift = rotation % len(order)
+                rotation += 1
+                for i in order[shift:] + order[:shift]:
+                    prompt = _turn_prompt(engine, workload.chat, histories[i], turn)
+                    stats, answer = _generate(decoders[i], prompt, n_predict, seed + r)
+                    asked[i].add(stats)
+                    histories[i] += [Message("user", turn), _answer(engine.model, answer)]
+                    advance(variant_list[i].name, 1)
+            for result, stats in zip(results, asked, strict=True):
+                result.runs.append(stats)
         measured.append(measure(reps=5))
     costs = costmodel.median_costs(measured)
     sampling = {"sampling": asdict(engine.options.sampling), "seed": seed}
@@ -342,7 +425,24 @@ def run_bench(
     if grammar is not None:  # --grammar, --json-schema: what every run's output followed
         sampling["grammar"] = {"kind": grammar.kind, "text": grammar.text}
     setup = {**engine.describe(), **sampling, **environment()}
-    return BenchReport(prompts, results, costs, n_predict, repeat, engine.flash_attn, setup)
+    return BenchReport(workload, results, costs, n_predict, repeat, engine.flash_attn, setup)
+
+
+def _turn_prompt(
+    engine: Engine, chat: ChatFormat | None, history: list[Message], turn: str
+) -> list[int]:
+    """A turn's tokens: a plain prompt as written; a question's turn as the user's next
+    message after the conversation so far, in the target's chat format."""
+    if chat is None:
+        return engine.tokenize(turn)
+    return engine.tokenize_messages([*history, Message("user", turn)], chat)
+
+
+def _answer(model: Model, tokens: list[int]) -> Message:
+    """The model's answer as the next turn's prompt holds it: its text, control tokens
+    left out and the ends stripped, as Spec-Bench keeps an answer."""
+    text = b"".join(model.piece(t) for t in tokens).decode(errors="replace")
+    return Message("assistant", text.strip())
 
 
 def _max_k(engine: Engine, variant: Variant) -> int:
@@ -353,8 +453,11 @@ def _max_k(engine: Engine, variant: Variant) -> int:
     return max(chain, min(parse_tree(variant.tree) or 0, engine.tree_nodes))
 
 
-def _generate(decoder: Decoder, prompt: list[int], n_predict: int, seed: int) -> Stats:
-    stats = Stats()
-    for _ in decoder.generate(prompt, n_predict, np.random.default_rng(seed), stats):
-        pass
-    return stats
+def _generate(
+    decoder: Decoder, prompt: list[int], n_predict: int, seed: int
+) -> tuple[Stats, list[int]]:
+    """A generation's figures and its tokens."""
+    stats, tokens = Stats(), []
+    for new in decoder.generate(prompt, n_predict, np.random.default_rng(seed), stats):
+        tokens += new.tokens
+    return stats, tokens

@@ -7,6 +7,8 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -69,6 +71,7 @@ from specdec_cli.commands.options import (
 )
 from specdec_cli.commands.prompts import read_prompt, read_prompts
 from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
+from specdec_cli.commands.workload import Workload, choose_workload
 from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
@@ -79,8 +82,9 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.messages import warn
-from specdec_cli.models.chat import chat_format, chat_options
+from specdec_cli.models.chat import ChatFormat, chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.models.heads import HEAD_FILES
 from specdec_cli.models.resolve import HEAD
@@ -354,6 +358,7 @@ def run(
 
 @app.command()
 @takes_engine_flags
+@takes_chat_flags
 def bench(
     model: ModelOpt,
     draft: Annotated[
@@ -393,9 +398,31 @@ def bench(
             "--prompts",
             metavar="FILE",
             help=described(
-                "One prompt per line.",
+                "One prompt per line; or questions in Spec-Bench's and MT-Bench's JSON "
+                'Lines (a .jsonl file, one {"question_id", "category", "turns"} a line): '
+                "each a conversation in the target's chat format, each turn after the "
+                "model's own answers to the turns before it; figures per category too.",
                 "a built-in set of story, code, list, factual and copy prompts",
             ),
+        ),
+    ] = None,
+    suite: Annotated[
+        str | None,
+        typer.Option(
+            "--suite",
+            metavar="NAME",
+            help="A built-in question file instead of --prompts: spec-bench (Spec-Bench's "
+            "480 questions in 13 categories, MT-Bench's 80 among them; Apache-2.0).",
+        ),
+    ] = None,
+    per_category: Annotated[
+        int | None,
+        typer.Option(
+            "--per-category",
+            min=1,
+            metavar="N",
+            help="With --suite or a question file: only the first N questions of each "
+            "category, in the file's order.",
         ),
     ] = None,
     n_predict: Annotated[
@@ -436,6 +463,7 @@ def bench(
     json_schema_file: JsonSchemaFileOpt = None,
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
+    chat_flags: FlagValues,  # --chat-template, --jinja, ...: for questions (--suite, .jsonl)
     json_path: Annotated[
         Path | None,
         typer.Option("--json", metavar="FILE", help="Write every figure to this JSON file."),
@@ -445,7 +473,8 @@ def bench(
         typer.Option(
             "--plot",
             metavar="FILE",
-            help="Write a PNG of tokens/s and acceptance against k (needs matplotlib).",
+            help="Write a PNG of tokens/s and acceptance against k, and with questions "
+            "the speedup by category (needs matplotlib).",
         ),
     ] = None,
     config: ConfigOpt = None,
@@ -459,10 +488,12 @@ def bench(
     acceptance, so you see why speculation pays or does not.
 
     \b
-    Example:
+    Examples:
       specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
+      specdec bench -m chat-model.gguf -d ngram -k auto --suite spec-bench --per-category 2
     """
     _check_outputs(json_path, plot_path)
+    workload = bench_workload(prompts, suite, per_category, chat_format(**chat_flags))
     constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     drafts = draft or []
     kinds = _drafter_kinds(drafts, engine_flags["ngram"])
@@ -471,9 +502,6 @@ def bench(
     )
     ks, trees = _split_list(plan.ks), _split_list(plan.trees)
     variant_list = variants(kinds, ks, trees)
-    texts = (
-        {f"line {n}": t for n, t in read_prompts(prompts).items()} if prompts else BUILTIN_PROMPTS
-    )
     flags = shared_options(locals())
     flags["temp"] = first_given(temp, BenchOptions.temp)
     options, _ = engine_options(
@@ -482,11 +510,39 @@ def bench(
     options = replace(options, grammar=constraint)
     if engine_flags["ctx_size"] is None:
         widest = max(options.drafting.draft_max, parse_tree(options.drafting.tree) or 0)
-        n_ctx = fit_context(texts, plan.n_predict, ks, widest)
+        with vocabulary(options) as vocab:
+            n_ctx = fit_context(vocab, workload, plan.n_predict, ks, widest)
         options = replace(options, n_ctx=n_ctx)
-    report = _measure(options, variant_list, texts, plan)
+    report = _measure(options, variant_list, workload, plan)
     print_bench(report)
     _write_outputs(report, json_path, plot_path)
+
+
+def bench_workload(
+    prompts: Path | None, suite: str | None, per_category: int | None, chat: ChatFormat
+) -> Workload:
+    """--prompts, --suite and --per-category; the chat flags shape questions only."""
+    workload = choose_workload(prompts, suite, per_category, BUILTIN_PROMPTS)
+    if workload.chat is None:
+        if chat != ChatFormat():
+            raise UserError(
+                "--chat-template, --chat-template-file, --jinja and --chat-template-kwargs "
+                "format questions (--suite, a .jsonl --prompts file); plain prompts go to "
+                "the model as written: drop them"
+            )
+        return workload
+    return replace(workload, chat=chat)
+
+
+@contextmanager
+def vocabulary(options: EngineOptions) -> Iterator[Model]:
+    """The target's vocabulary alone (no weights): enough to size the context."""
+    init_backend(options.verbose)
+    model = Model(options.target, vocab_only=True)
+    try:
+        yield model
+    finally:
+        model.close()
 
 
 def _split_list(value: str) -> list[str]:
@@ -529,13 +585,13 @@ def _drafter_kinds(drafts: list[str], ngram: bool | None) -> list[str]:
 
 
 def _measure(
-    options: EngineOptions, variant_list: list[Variant], texts: dict[str, str], plan: BenchOptions
+    options: EngineOptions, variant_list: list[Variant], workload: Workload, plan: BenchOptions
 ) -> BenchReport:
     """Every variant on every prompt, as often as the plan says, with a progress bar."""
     with loaded_engine(options) as engine:
-        total = len(variant_list) * len(texts) * plan.repeat
+        total = len(variant_list) * workload.generations * plan.repeat
         with bench_progress(total) as advance:
-            return run_bench(engine, variant_list, texts, plan, advance)
+            return run_bench(engine, variant_list, workload, plan, advance)
 
 
 def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path | None) -> None:

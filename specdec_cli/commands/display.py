@@ -228,6 +228,32 @@ def bench_rows(figures: dict) -> list[list[str]]:
     return rows
 
 
+CATEGORY_COLUMNS = ("category", "variant", "tok/s", "speedup", "tok/pass", "accept", "k mean")
+
+
+def category_rows(figures: dict) -> list[list[str]]:
+    """One row of text per category and variant (the target alone first), from
+    BenchReport.to_dict()'s figures; none without categories."""
+    entries = [figures["baseline"], *figures["runs"]]
+    rows = []
+    for category in figures["baseline"]["categories"]:
+        for d in entries:
+            c = d["categories"][category]
+            speculative = d["drafter"] is not None
+            rows.append(
+                [
+                    category,
+                    d["name"],
+                    f"{c['tokens_per_second']:.1f}",
+                    f"{c['speedup']:.2f}x",
+                    f"{c['tokens_per_pass']:.2f}",
+                    f"{c['acceptance_rate']:.1%}" if speculative else "-",
+                    f"{c['k_mean']:.2f}" if speculative else "-",
+                ]
+            )
+    return rows
+
+
 FILTERS = ("top_k", "top_p", "min_p")  # SamplingParams' filters, by their flags' order
 
 
@@ -265,17 +291,24 @@ def print_bench(report: BenchReport) -> None:
         f"calls ({1 - base['overhead_share']:.1%}); our overhead in speculative runs: "
         + ", ".join(f"{d['name']} {d['overhead_share']:.1%}" for d in figures["runs"])
     )
+    by_category = category_rows(figures)
     if not sys.stdout.isatty():
         print("\t".join(BENCH_COLUMNS))
         for row in rows:
             print("\t".join(row))
+        if by_category:  # a second table, after a blank line
+            print()
+            print("\t".join(CATEGORY_COLUMNS))
+            for row in by_category:
+                print("\t".join(row))
         print(f"# {settings}")
         print(f"# {costs}")
         print(f"# {wrapper}")
         print(f"# {figures['verdict']}")
         return
     table = Table(
-        title=f"{len(report.prompts)} prompts x {report.repeat} repeats, "
+        title=f"{report.n_prompts} {'prompts' if report.workload.chat is None else 'questions'} "
+        f"x {report.repeat} repeats, "
         f"{report.n_predict} tokens each (medians over repeats)"
     )
     for name in BENCH_COLUMNS:
@@ -284,6 +317,8 @@ def print_bench(report: BenchReport) -> None:
         table.add_row(*row, style="bold green" if row[0].endswith(" *") else None)
     console = Console()
     console.print(table)
+    if by_category:
+        console.print(category_table(by_category, len(figures["runs"]) + 1))
     console.print(settings, style="dim")
     console.print(costs, style="dim")
     console.print(wrapper, style="dim")
@@ -293,6 +328,20 @@ def print_bench(report: BenchReport) -> None:
         style="dim",
     )
     console.print(figures["verdict"], style="bold")
+
+
+def category_table(rows: list[list[str]], per_category: int) -> Table:
+    """The rows of category_rows as a rich table: each category's name once, over its
+    `per_category` rows (one a variant)."""
+    table = Table(title="by category (medians over repeats)")
+    for name in CATEGORY_COLUMNS:
+        table.add_column(name, justify="left" if name in ("category", "variant") else "right")
+    for i, row in enumerate(rows):
+        first = i % per_category == 0
+        if first and i:
+            table.add_section()
+        table.add_row(row[0] if first else "", *row[1:])
+    return table
 
 
 def load_pyplot():
@@ -311,8 +360,15 @@ def load_pyplot():
 
 def plot_figure(report: BenchReport, plt):
     """tokens/s and acceptance rate against k, one line per drafter; -k auto is a point
-    of its own at the mean k it chose."""
-    fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    of its own at the mean k it chose. With categories, below them the speedup of each
+    variant by category."""
+    if not report.workload.categories:
+        fig, (speed_ax, accept_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    else:
+        mosaic = [["speed", "accept"], ["category", "category"]]
+        fig, axes = plt.subplot_mosaic(mosaic, figsize=(10, 8))
+        speed_ax, accept_ax = axes["speed"], axes["accept"]
+        plot_categories(report, axes["category"])
     base = report.median_speed(report.baseline)
     speed_ax.axhline(base, color="grey", linestyle="--", label="target only")
     lines = dict.fromkeys((r.variant.drafter, r.variant.tree) for r in report.results[1:])
@@ -340,6 +396,22 @@ def plot_figure(report: BenchReport, plt):
     accept_ax.legend()
     fig.tight_layout()
     return fig
+
+
+def plot_categories(report: BenchReport, ax) -> None:
+    """Bars of each speculative variant's speedup in each category, side by side; a line
+    at 1x, the target alone."""
+    categories = report.workload.categories
+    runs = report.results[1:]
+    width = 0.8 / max(len(runs), 1)
+    for j, result in enumerate(runs):
+        x = [i + (j - (len(runs) - 1) / 2) * width for i in range(len(categories))]
+        speedups = [report.speedup(result, among) for among in categories.values()]
+        ax.bar(x, speedups, width, label=result.variant.name)
+    ax.axhline(1.0, color="grey", linestyle="--", label="target only")
+    ax.set_xticks(range(len(categories)), list(categories), rotation=30, ha="right")
+    ax.set(ylabel="speedup", title="speedup by category")
+    ax.legend()
 
 
 def write_plot(report: BenchReport, path: str) -> None:

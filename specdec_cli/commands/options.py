@@ -550,7 +550,7 @@ def flag_group(
 
 # -c, -b, -t, -ngl, -fa, ...: for every command that loads models
 takes_engine_flags = flag_group("engine_flags", ENGINE_FLAGS)
-# The chat template: for every command that formats chats (run, serve)
+# The chat template: for every command that formats chats (run, serve; bench for questions)
 CHAT_FLAGS = {
     "chat_template": ChatTemplateOpt,
     "chat_template_file": ChatTemplateFileOpt,

@@ -33,11 +33,12 @@ def read_prompt(prompt: str | None, file: Path | None, messages: str | None) -> 
 
 def read_prompts(path: Path) -> dict[int, str]:
     """The prompts of a --prompts file by line number (from 1); blank lines are skipped."""
-    lines = {
-        number: line
-        for number, line in enumerate(read_text(path).splitlines(), start=1)
-        if line.strip()
-    }
+    return prompt_lines(read_text(path), path)
+
+
+def prompt_lines(text: str, path: Path) -> dict[int, str]:
+    """The prompts of a --prompts file's text (see read_prompts)."""
+    lines = {number: line for number, line in enumerate(text.splitlines(), start=1) if line.strip()}
     if not lines:
         raise UserError(f"{path} has no prompts; write one prompt per line")
     return lines

@@ -53,6 +53,9 @@ class ServeOptions:
     reasoning_format: str = "deepseek"
 
 
+RETRY_AFTER_SECONDS = 1
+
+
 class ApiError(Exception):
     """An answer other than 200, with OpenAI's error body."""
 
@@ -79,6 +82,13 @@ class ApiError(Exception):
                 "code": self.code,
             }
         }
+
+    @classmethod
+    def retry_later(cls, message: str, code: str) -> ApiError:
+        """503 with Retry-After: the server cannot take the request now (loading, busy,
+        a worker away), but will."""
+        headers = {"Retry-After": str(RETRY_AFTER_SECONDS)}
+        return cls(f"{message}; retry", status=503, kind="server_busy", code=code, headers=headers)
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from specdec_cli.errors import UserError
 from specdec_cli.serve.api import ApiError, parse_body, parse_request
 from specdec_cli.serve.logprobs import LogprobWriter
 from specdec_cli.serve.responses import Endpoint, error_response
-from specdec_cli.serve.service import RETRY_AFTER_SECONDS, Job, Service
+from specdec_cli.serve.service import Job, Service
 from specdec_cli.serve.streaming import Answer
 
 MAX_BODY_BYTES = 8 * 2**20
@@ -163,13 +163,7 @@ class Api:
     async def _admit(self, request: Request, endpoint: Endpoint) -> Job:
         service = self.service
         if service.engine is None:
-            raise ApiError(
-                f"{service.unavailable}; retry",
-                status=503,
-                kind="server_busy",
-                code="loading",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+            raise ApiError.retry_later(service.unavailable, "loading")
         body = await read_body(request)
         # in a helper thread: the body may be megabytes, a grammar's checks read it all
         # (llguidance compiles in its own threads, see grammar.on_compile_thread)

@@ -51,7 +51,6 @@ from specdec_cli.serve.toolcalls import (
     format_for,
 )
 
-RETRY_AFTER_SECONDS = 1
 # The chat format for a model without a template of its own, as llama-server falls back.
 FALLBACK_CHAT_TEMPLATE = "chatml"
 # After a lost RPC worker: how often to ask whether it is back, and how long the event
@@ -192,13 +191,7 @@ class Service:
         warn(f"{line}; the server answers 503 until it is back")
         self.unavailable = line
         self.engine = None  # new requests: 503 from now on
-        error = ApiError(
-            f"{line}; retry",
-            status=503,
-            kind="server_busy",
-            code="worker_lost",
-            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-        )
+        error = ApiError.retry_later(line, "worker_lost")
         if self.scheduler is not None:
             for slot in self.scheduler.busy:
                 assert slot.task is not None
@@ -337,13 +330,8 @@ class Service:
         """Queue a generation, or refuse it (503, Retry-After) when the queue is full."""
         if self.admitted >= self.engine_options.parallel + self.options.queue:
             self.metrics.rejected += 1
-            raise ApiError(
-                f"the server is busy ({self.admitted} requests in progress or waiting); retry",
-                status=503,
-                kind="server_busy",
-                code="server_busy",
-                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
-            )
+            busy = f"the server is busy ({self.admitted} requests in progress or waiting)"
+            raise ApiError.retry_later(busy, "server_busy")
         seed = request.seed if request.seed is not None else int(np.random.SeedSequence().entropy)
         loop = asyncio.get_running_loop()
         job = Job(request, prompt, seed % 2**64, loop, reply=reply, shown=shown)
