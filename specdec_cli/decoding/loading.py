@@ -153,6 +153,7 @@ class LoadedModels:
         draft_file = gguf_meta.read_gguf(draft_path) if draft_path else None
         head_class = head_of_file(target_file, draft_file)
         pairing = check_models(target_file, None if head_class else draft_file)
+        check_slots(options)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -481,6 +482,17 @@ class LoadedModels:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_slots(options: EngineOptions) -> None:
+    """Every slot takes a row of each decode call (llama.cpp keeps a sequence a slot, and
+    no more sequences than a batch has rows): more slots than -b are refused."""
+    parallel, n_batch = options.parallel, options.n_batch
+    if parallel > n_batch:
+        raise UserError(
+            f"-np {parallel} is more slots than -b {n_batch} has rows (each slot takes a "
+            f"row of every decode call); raise -b to {parallel} or more"
+        )
 
 
 def batch_warnings(options: EngineOptions) -> list[str]:
