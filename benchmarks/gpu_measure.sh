@@ -167,7 +167,7 @@ for path in sys.argv[1:]:
     for _ in range(50):
         once(1)
     print(f"one-token x50: ours {(ctx.decode_seconds-sec0)/50*1e3:.3f} ms, llama.cpp clock {(ctx.perf_seconds()-perf0)/50*1e3:.3f} ms")
-    ctx.trim(0)
+    ctx.rewind(0)
     c = measure_costs(ctx, None, range(1, 34), reps=5, position=POS)
     print(f"measure_costs: one token {c.target_seconds*1e3:.3f} ms, switch {c.switch:.3f}, verify "
           + " ".join(f"{n}:{v:.2f}" for n, v in sorted(c.verify.items()) if n in SIZES))

@@ -63,7 +63,7 @@ def record_matches(engine: Engine, n_predict: int) -> dict[str, np.ndarray]:
     matches = {}
     for name, (prompt, generated) in record_texts(engine, n_predict + MAX_K + 1).items():
         sequence = prompt + generated
-        draft.trim(0)
+        draft.rewind(0)
         draft.decode(sequence, 0, n_logits=len(sequence))
         positions = range(len(prompt) - 1, len(sequence) - 1)
         guesses = [int(np.argmax(draft.logits(i))) for i in positions]

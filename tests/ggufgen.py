@@ -827,11 +827,14 @@ def write_qwen35_model(
     return write_gguf(path, metadata, tensors)
 
 
-def successor_cycle(vocab: Tokenizer, rng: np.random.Generator) -> np.ndarray:
+def successor_cycle(
+    vocab: Tokenizer, rng: np.random.Generator, length: int | None = None
+) -> np.ndarray:
     """succ(t) for every token: a random cycle through the text pieces (the NORMAL
-    tokens), every other token leading into it. A known-answer target writes it."""
+    tokens; `length` of them), every other token leading into it. A known-answer target
+    writes it."""
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
-    cycle = rng.permutation(normal)
+    cycle = rng.permutation(normal)[:length]
     succ = np.full(len(vocab), cycle[0])
     succ[cycle] = np.roll(cycle, -1)
     return succ
@@ -930,15 +933,16 @@ def _cycle_target(
     rng: np.random.Generator,
     good_fraction: float,
     temper: float = 0.0,
+    cycle: int | None = None,
 ) -> tuple[Path, Eagle3KnownAnswer]:
     """A llama target of shape `hp` whose every layer's input at a position is that
     position's token: one-hot embeddings (token t in dimension t) and blocks that add
-    nothing. Its output maps t to succ(t), a cycle through the text pieces (see _answers
-    for `temper`): greedy, it writes the cycle. With it, the answers a head gives: for a
-    good token a, succ(succ(a)); for the rest succ(succ(succ(a)))."""
+    nothing. Its output maps t to succ(t), a cycle through the text pieces (`cycle` of
+    them; see _answers for `temper`): greedy, it writes the cycle. With it, the answers a
+    head gives: for a good token a, succ(succ(a)); for the rest succ(succ(succ(a)))."""
     n_vocab = len(vocab)
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
-    succ = successor_cycle(vocab, rng)
+    succ = successor_cycle(vocab, rng, cycle)
     good = rng.random(n_vocab) < good_fraction
     answer = np.where(good, succ[succ], succ[succ[succ]])
     target = llama_tensors(hp, vocab, int(rng.integers(1 << 30)))
@@ -1038,6 +1042,7 @@ def write_dflash_known_answer(
     temper: float = 0.0,
     n_layer: int = 2,
     n_ff: int = 64,
+    cycle: int | None = None,
 ) -> tuple[Path, Path, Eagle3KnownAnswer]:
     """A llama target and a DFlash drafter for it whose drafts follow from tables. DFlash
     decodes a block [last token, mask, mask, ...] at the positions after the text, with
@@ -1058,14 +1063,16 @@ def write_dflash_known_answer(
       copy nothing and draft token 0. Its embeddings are the target's (ctx_other).
 
     `temper` > 0 softens both outputs for sampling (see _answers). `n_layer` and `n_ff`
-    make the target as costly as a real model's, for benchmarks.
+    make the target as costly as a real model's, for benchmarks. `cycle`: the cycle's
+    length; with 1 the target repeats one token, the successor of every token, and every
+    row drafts it: right at any depth.
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
     half = -(-n_vocab // 64) * 64
     n_embd = 2 * half
     hp = HParams(n_embd=n_embd, n_layer=n_layer, n_head=4, n_head_kv=4, n_ff=n_ff, n_ctx_train=1024)
-    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
+    target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper, cycle)
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
     ids, tokens, fused = np.arange(n_vocab), slice(0, n_vocab), slice(half, half + n_vocab)
 

@@ -33,7 +33,8 @@ from test_heads import (
 
 from specdec_cli.decoding.heads import AssistantDrafter
 from specdec_cli.decoding.sampling import GREEDY
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.heads import AssistantHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_PREDICT = 48
@@ -153,16 +154,16 @@ class _FreshPair:
     def __init__(self, target: Path, assistant: Path) -> None:
         self.models = [Model(target, ModelParams()), Model(assistant, ModelParams())]
         self.target = Context(self.models[0], ContextParams(256, 1, "off"))
-        self.head = HeadContext(self.target, 1, self.models[1], "assistant")
+        self.head = AssistantHead(self.target, 1, self.models[1])
         self.states = record_hidden_states(self.target)
 
     def logits_after(self, tokens: list[int]) -> np.ndarray:
         """The assistant's logits for the token after `tokens` (the target has read all
         but the last, as in a round)."""
-        self.target.trim(0)
+        self.target.rewind(0)
         self.target.decode(tokens[:-1], 0)
         last = len(tokens) - 1
-        self.head.stage_at(tokens[-1:], last, self.states.before(last, last + 1))
+        self.head.stage_at(tokens[-1:], last, self.states.after(last - 1, last))
         self.head.flush()
         return self.head.logits().copy()
 

@@ -10,13 +10,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from ggufgen import spm_vocab
+from ggufgen import read_f32_model, spm_vocab, write_gguf, write_mtp_sidecar
 from mimo2gen import ChainedKnownAnswer, write_chained_known_answer
 from test_cli_run import specdec
 from test_decode import PROMPT, SAMPLING
 from test_heads import (
     _MislabelledHead,
     assert_a_long_prompt_drafts,
+    assert_refused_in_one_line,
     assert_sampled_like_the_target,
     assert_served_in_two_slots,
     expected_rounds,
@@ -24,6 +25,7 @@ from test_heads import (
     llama_cpp_counts,
     llama_cpp_rounds,
     open_engine,
+    open_with_head_file,
     run_in_slots,
     without_target_states,
 )
@@ -31,7 +33,9 @@ from test_heads import (
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draftlength import RoundCosts
 from specdec_cli.decoding.heads import ChainedHeadDrafter
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.heads import ChainedMtpHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_HEADS = 3
@@ -103,6 +107,26 @@ def test_greedy_in_four_slots(chained, reference: list[int]) -> None:
     assert sum(g.stats.accepted for g in runs) > 0
 
 
+def test_greedy_in_sixteen_slots_of_a_small_batch(chained, reference: list[int]) -> None:
+    """-np 16 -b 32: a slot's share of a call (2 tokens) is less than its 3 blocks need, a
+    sequence and a row each. Each slot's blocks keep sequences of their own (the head's
+    sequences were capped at the batch, and a slot's last block wrote into the next
+    slot's), and every text is the target's."""
+    with open_engine(chained[0], 3, parallel=16, n_batch=32) as engine:
+        outs, runs = run_in_slots(engine, [24 - slot for slot in range(16)])
+    for slot, out in enumerate(outs):
+        assert out == reference[: 24 - slot]
+    assert sum(g.stats.accepted for g in runs) > 0
+
+
+def test_more_sequences_than_llama_cpp_holds_are_refused(tmp_path: Path) -> None:
+    """64 slots of 5 chained blocks need 320 sequences, llama.cpp holds 256: one line."""
+    path = tmp_path / "mimo2-five.gguf"
+    write_chained_known_answer(path, spm_vocab(), seed=3, n_heads=5)
+    with pytest.raises(UserError, match="-np 64: the drafting head needs 5 sequences a slot, "):
+        open_engine(path, 3, parallel=64)
+
+
 @contextmanager
 def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
     """While in it, every draft step of a ChainedHeadDrafter records the round's text,
@@ -125,16 +149,16 @@ def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
 
 
 @contextmanager
-def fresh_head(path: Path, text: list[int]) -> Iterator[tuple[HeadContext, np.ndarray]]:
+def fresh_head(path: Path, text: list[int]) -> Iterator[tuple[ChainedMtpHead, np.ndarray]]:
     """A fresh head context and the states a fresh target gave for `text` (it read all
     but the last token, as in a round)."""
     model = Model(path, ModelParams(load_mtp=True))
     target = Context(model, ContextParams(256, 1, "off"))
-    head = HeadContext(target, 1)
+    head = ChainedMtpHead(target, 1)
     try:
         states = record_hidden_states(target)
         target.decode(text[:-1], 0)
-        yield head, states.before(0, len(text))
+        yield head, states.after(-1, len(text) - 1)
     finally:
         head.close()
         target.close()
@@ -197,13 +221,41 @@ def spread(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _MislabelledChain(_MislabelledHead, ChainedHeadDrafter):
-    """The negative control: draws from its q, tells the verifier another."""
+    """The negative control: its last block draws from its q and tells the verifier
+    another (the blocks before it are right)."""
+
+    from_depth = N_HEADS - 1
 
 
 def test_sampled_chain_matches_target_distribution(spread: Path) -> None:
-    with open_engine(spread, 3, SAMPLING) as engine:
+    """The first tokens of many seeded runs, each block drafting (the last one the fourth
+    token), against target-only; the negative control, wrong in its last block alone,
+    must be told apart."""
+    with open_engine(spread, N_HEADS, SAMPLING) as engine:
         assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
-        assert_sampled_like_the_target(engine, _MislabelledChain)
+        assert_sampled_like_the_target(engine, _MislabelledChain, n_first=N_HEADS + 2)
+
+
+def test_a_sidecar_of_other_blocks_is_refused(chained, reference, tmp_path: Path) -> None:
+    """The blocks alone in a sidecar draft as the model's own. One missing its first block
+    (llama.cpp then took every block for optional and aborted at the first draft), or
+    holding the blocks of a model of other depth, is refused in one line, before
+    anything loads."""
+    path = chained[0]
+    sidecar = write_mtp_sidecar(tmp_path / "mtp.gguf", path)
+    with open_with_head_file(path, sidecar, 3) as engine:
+        assert isinstance(engine.decoder.drafter, ChainedHeadDrafter)
+        out, stats = generate(engine, n=24)
+    assert out == reference[:24] and stats.accepted > 0
+    metadata, tensors = read_f32_model(sidecar)
+    first_gone = {name: w for name, w in tensors.items() if not name.startswith("blk.2.")}
+    missing = write_gguf(tmp_path / "missing.gguf", metadata, first_gone)
+    assert_refused_in_one_line(path, missing, "missing.gguf has no MTP block 2")
+    deeper = tmp_path / "deeper.gguf"
+    write_chained_known_answer(deeper, spm_vocab(), seed=3, n_heads=N_HEADS, n_layer=3)
+    other = write_mtp_sidecar(tmp_path / "other.gguf", deeper)
+    message = f"other.gguf is the MTP of a model of 3 layers, {path.name} has 2"
+    assert_refused_in_one_line(path, other, message)
 
 
 def test_info_check_and_a_tree_refused(chained) -> None:

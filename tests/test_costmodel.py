@@ -174,10 +174,10 @@ def test_measure_costs_without_draft(contexts: tuple[Context, Context]) -> None:
 def test_measure_costs_leaves_the_caches_empty(contexts: tuple[Context, Context]) -> None:
     target, draft = contexts
     prompt = target.model.tokenize("Once upon a time")
-    target.trim(0)
+    target.rewind(0)
     target.decode(prompt, 0)
     before = np.array(target.logits(-1))
-    target.trim(0)
+    target.rewind(0)
 
     measure_costs(target, draft, [2, 5], reps=1, position=8)
 
@@ -187,9 +187,9 @@ def test_measure_costs_leaves_the_caches_empty(contexts: tuple[Context, Context]
     # and gives the same logits as before the measurement.
     target.decode(prompt, 0)
     np.testing.assert_array_equal(np.array(target.logits(-1)), before)
-    target.trim(0)
+    target.rewind(0)
     draft.decode(prompt, 0)
-    draft.trim(0)
+    draft.rewind(0)
 
 
 def test_measure_costs_of_one_token_only(contexts: tuple[Context, Context]) -> None:

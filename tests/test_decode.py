@@ -500,10 +500,15 @@ REPEATING_PROMPT = "the cat ran to the dog and the cat ran to the"
 
 
 def first_tokens(
-    engine: Engine, seeds: range, decoder: Decoder | None = None, n_predict: int = N_FIRST
+    engine: Engine,
+    seeds: range,
+    decoder: Decoder | None = None,
+    n_predict: int = N_FIRST,
+    n_first: int = N_FIRST,
 ) -> np.ndarray:
-    """The first N_FIRST tokens of a generation of `n_predict` for each seed (longer
-    generations draft wider: a tree needs room for more tokens than its depth)."""
+    """The first `n_first` tokens of a generation of `n_predict` for each seed (longer
+    generations draft wider: a tree needs room for more tokens than its depth; and
+    deeper: a round drafts k deep only where k + 1 tokens are still to come)."""
     prompt = engine.tokenize(REPEATING_PROMPT)
     rows = []
     for seed in seeds:
@@ -511,7 +516,7 @@ def first_tokens(
         rng = np.random.default_rng(seed)
         for new in (decoder or engine.decoder).generate(prompt, n_predict, rng, Stats()):
             out += new.tokens
-        rows.append(out[:N_FIRST])
+        rows.append(out[:n_first])
     return np.array(rows)
 
 

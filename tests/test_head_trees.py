@@ -32,7 +32,8 @@ from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.heads import HeadDrafter
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp.heads import Eagle3Head, HeadContext
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_PREDICT = 48
@@ -137,15 +138,15 @@ class _FreshPair:
         self.head_model = Model(head, ModelParams())
         self.target = Context(self.model, ContextParams(256, 1, "off"))
         self.states = record_hidden_states(self.target, [0, 1, 2])
-        self.head = HeadContext(self.target, 1, self.head_model, "eagle3")
+        self.head = Eagle3Head(self.target, 1, self.head_model)
 
     def logits_after(self, tokens: list[int], path: tuple[int, ...]) -> np.ndarray:
         """The head's logits for the token after `path`, drafted after `tokens` (the
         target has read all but the last, as in a round)."""
-        self.target.trim(0)
+        self.target.rewind(0)
         self.head.rewind(0)
         self.target.decode(tokens[:-1], 0)
-        hidden = self.head.states_for(self.states.before(1, len(tokens)))
+        hidden = self.head.states_for(self.states.after(0, len(tokens) - 1))
         self.head.stage(tokens[1:], hidden=hidden)
         self.head.flush()
         for token in path:

@@ -15,12 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from gguf import GGUFValue, GGUFValueType
 from ggufgen import (
     Eagle3KnownAnswer,
     KnownAnswer,
     Qwen35Params,
+    read_f32_model,
     spm_vocab,
     write_eagle3_known_answer,
+    write_gguf,
     write_mtp_known_answer,
     write_mtp_sidecar,
     write_qwen35_model,
@@ -37,8 +40,9 @@ from specdec_cli.decoding.heads import HeadDrafter
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams, distribution
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp import heads
-from specdec_cli.llamacpp.heads import HeadContext, record_hidden_states
+from specdec_cli.llamacpp import hiddenstates
+from specdec_cli.llamacpp.heads import MtpHead
+from specdec_cli.llamacpp.hiddenstates import record_hidden_states
 from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
 
 N_PREDICT = 64
@@ -173,24 +177,36 @@ def assert_a_long_prompt_drafts(target: Path, drafting: Callable[[], Engine]) ->
 def without_target_states(monkeypatch: pytest.MonkeyPatch) -> None:
     """The controls: zeros in place of the target's states, for every head."""
     monkeypatch.setattr(
-        heads.HiddenStates,
-        "before",
+        hiddenstates.HiddenStates,
+        "after",
         lambda self, first, last: np.zeros((last - first, self.n_embd), np.float32),
     )
 
 
-def test_the_head_reads_the_targets_hidden_states(
-    mtp_model: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The head's drafts depend on the hidden states it is given: with zeros in place of
-    the target's, it drafts otherwise (this random head is not worse for it: the
-    known-answer model's test shows the states are the right ones)."""
-    with open_engine(mtp_model, 3) as engine:
-        good = generate(engine)[1]
-    without_target_states(monkeypatch)
-    with open_engine(mtp_model, 3) as engine:
-        blind = generate(engine)[1]
-    assert (blind.drafted, blind.accepted) != (good.drafted, good.accepted)
+def test_the_head_reads_the_targets_hidden_states(known_answer, monkeypatch) -> None:
+    """Every round's first draft is the known-answer head's for the target's state after
+    the token before the last (head_drafts: the tables). The control records each state
+    one position late, so that a row reads the state after the token two before it: every
+    first draft is then the tables' answer for that state, another token in most rounds."""
+    path, ka = known_answer
+
+    def first_drafts() -> list[tuple[list[int], int]]:
+        with first_step_logits(HeadDrafter) as seen, open_engine(path, 3) as engine:
+            generate(engine, n=32)
+        return [(tokens, int(np.argmax(logits))) for tokens, logits in seen]
+
+    right = first_drafts()
+    assert len(right) > 5
+    assert all(draft == head_drafts(ka, tokens, 1)[0] for tokens, draft in right)
+    record = hiddenstates.HiddenStates.record
+    monkeypatch.setattr(
+        hiddenstates.HiddenStates,
+        "record",
+        lambda self, pos, blocks: record(self, pos + 1, blocks),
+    )
+    late = first_drafts()
+    assert all(draft == head_drafts(ka, tokens[-3::2], 1)[0] for tokens, draft in late)
+    assert sum(draft != head_drafts(ka, tokens, 1)[0] for tokens, draft in late) > len(late) / 2
 
 
 class _FreshPair:
@@ -200,14 +216,14 @@ class _FreshPair:
     def __init__(self, path: Path) -> None:
         self.model = Model(path, ModelParams(load_mtp=True))
         self.target = Context(self.model, ContextParams(256, 1, "off", n_rs_seq=8))
-        self.head = HeadContext(self.target, 1)
+        self.head = MtpHead(self.target, 1)
         self.states = record_hidden_states(self.target)
 
     def head_logits_after(self, tokens: list[int]) -> np.ndarray:
         """The head's logits drafting the token after `tokens` (the target has read all
         but the last, as in a round)."""
         self.target.decode(tokens[:-1], 0)
-        self.head.stage(tokens, hidden=self.states.before(0, len(tokens)))
+        self.head.stage(tokens, hidden=self.states.after(-1, len(tokens) - 1))
         self.head.flush()
         return self.head.logits().copy()
 
@@ -253,7 +269,7 @@ def test_after_a_partial_acceptance_the_head_drafts_as_fresh_contexts(mtp_model:
     try:
         checked = 0
         for tokens, logits in seen[1:]:
-            fresh.target.trim(0)
+            fresh.target.rewind(0)
             fresh.head.rewind(0)
             expected = fresh.head_logits_after(tokens)
             np.testing.assert_allclose(logits, expected, rtol=1e-4, atol=1e-4)
@@ -268,10 +284,15 @@ N_RUNS = 1500
 
 class _MislabelledHead(HeadDrafter):
     """A broken head, for the negative control: it draws each token from its q but tells
-    the verifier another distribution (q at a lower temperature)."""
+    the verifier another distribution (q at a lower temperature), from its draft's
+    `from_depth`-th token on (0: the first; a chain's drafts so far are its path)."""
 
-    def children(self, logits, rng, n, need_confidence, position=0, *rest):
-        ids, probs, dists = super().children(logits, rng, n, need_confidence, position, *rest)
+    from_depth = 0
+
+    def children(self, logits, rng, n, need_confidence, position=0, path=()):
+        ids, probs, dists = super().children(logits, rng, n, need_confidence, position, path)
+        if len(path) < self.from_depth:
+            return ids, probs, dists
         sharper = SamplingParams(temp=self.sampling.temp / 3, top_k=20, top_p=0.95, min_p=0.0)
         return ids, probs, [distribution(logits, sharper) if d is not None else d for d in dists]
 
@@ -284,17 +305,19 @@ def test_sampled_head_matches_target_distribution(mtp_model: Path) -> None:
 
 
 def assert_sampled_like_the_target(
-    engine: Engine, mislabelled: type[HeadDrafter], runs: int = N_RUNS
+    engine: Engine, mislabelled: type[HeadDrafter], runs: int = N_RUNS, n_first: int = N_FIRST
 ) -> None:
-    """First tokens of `runs` seeded runs of the engine's head against target-only, by
-    chi-square; then the negative control: the head replaced by `mislabelled` (drafting
-    otherwise than the q it tells the verifier), which must be told apart."""
-    baseline = first_tokens(engine, range(runs), engine.make_decoder(None, "1"))
-    speculative = first_tokens(engine, range(runs, 2 * runs))
+    """The first `n_first` tokens of `runs` seeded runs of the engine's head against
+    target-only, by chi-square; then the negative control: the head replaced by
+    `mislabelled` (drafting otherwise than the q it tells the verifier), which must be
+    told apart. After the prompt's token a round drafts k deep only where k + 1 tokens
+    are still to come: generations of k + 2 tokens reach every depth."""
+    baseline = first_tokens(engine, range(runs), engine.make_decoder(None, "1"), n_first, n_first)
+    speculative = first_tokens(engine, range(runs, 2 * runs), None, n_first, n_first)
     decoder = engine.decoder
     head = decoder.drafter
     decoder.drafter = mislabelled(head.head, head.states, head.sampling)
-    broken = first_tokens(engine, range(2 * runs, 3 * runs))
+    broken = first_tokens(engine, range(2 * runs, 3 * runs), None, n_first, n_first)
     assert_same_distribution(baseline, speculative, broken)
 
 
@@ -302,13 +325,16 @@ def assert_same_distribution(
     baseline: np.ndarray, speculative: np.ndarray, broken: np.ndarray
 ) -> None:
     """First tokens of seeded runs: the speculative ones as the target's alone by
-    chi-square, the negative control's told apart."""
-    for position in range(N_FIRST):
+    chi-square, at every position; the negative control's told apart at some position."""
+    positions = range(baseline.shape[1])
+    for position in positions:
         table = contingency(baseline[:, position], speculative[:, position])
         assert table.shape[1] > 3
         assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
     # Position 0 comes with the prompt, undrafted: the control shows after it.
-    controls = [chi2_contingency(contingency(baseline[:, p], broken[:, p])).pvalue for p in (1, 2)]
+    controls = [
+        chi2_contingency(contingency(baseline[:, p], broken[:, p])).pvalue for p in positions[1:]
+    ]
     assert min(controls) < 1e-3
 
 
@@ -617,6 +643,69 @@ def test_an_eagle3_head_for_another_target_is_refused(eagle3_pair, target_model:
         [0, 1, 2],
         None,
     )
+
+
+def rewritten(path: Path, out: Path, keys=None, tensors=None) -> Path:
+    """The F32 file at `path` written again at `out`, with these metadata keys and
+    tensors put in (added, or in place of its own)."""
+    metadata, weights = read_f32_model(path)
+    return write_gguf(out, metadata | (keys or {}), weights | (tensors or {}))
+
+
+def assert_refused_in_one_line(target: Path, head: Path, message: str) -> None:
+    """`specdec run -m TARGET -d HEAD` exits 2 with one line saying `message`."""
+    result = specdec("run", "-m", str(target), "-d", str(head), "-p", "Once", "-n", "4")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_an_eagle3_vocabulary_map_is_checked(eagle3_pair, tmp_path: Path) -> None:
+    """A d2t (the target's id of each token a head predicts) in range drafts as the file
+    without one; one naming an id past the target's vocabulary (llama.cpp writes the row
+    there: it aborted) or not I64 (llama.cpp asserts) is refused in one line, before
+    anything loads."""
+    target, head, ka = eagle3_pair
+    n = read_f32_model(head)[1]["output.weight"].shape[0]
+    identity = rewritten(head, tmp_path / "d2t.gguf", tensors={"d2t": np.arange(n)})
+    with open_with_head_file(target, identity, 3) as engine:
+        prompt = engine.tokenize(PROMPT)
+        stats = generate(engine, n=24)[1]
+    assert (stats.drafted, stats.accepted) == expected_rounds(
+        ka.succ, partial(eagle3_drafts, ka), prompt, 24, 3, stats
+    )
+    past = np.arange(n)
+    past[5] = n
+    for ids, message in (
+        (past, f"d2t maps its token 5 to id {n}, outside target.gguf's {n} tokens"),
+        (np.arange(n, dtype=np.int32), f"d2t is I32 of shape [{n}]; llama.cpp takes"),
+    ):
+        bad = rewritten(head, tmp_path / "bad.gguf", tensors={"d2t": ids})
+        assert_refused_in_one_line(target, bad, message)
+
+
+@pytest.mark.parametrize(
+    "layers",
+    [
+        GGUFValue(["0", "1", "2"], GGUFValueType.ARRAY, GGUFValueType.STRING),
+        GGUFValue([0.0, 1.0, 2.0], GGUFValueType.ARRAY, GGUFValueType.FLOAT32),
+        GGUFValue(2, GGUFValueType.UINT32),
+    ],
+)
+def test_target_layers_that_are_not_layer_numbers_are_refused(
+    eagle3_pair, tmp_path: Path, layers: GGUFValue
+) -> None:
+    """run refuses them in one line, check says so, info reads the file (all three ended
+    in a traceback)."""
+    target, head, _ = eagle3_pair
+    bad = rewritten(head, tmp_path / "bad.gguf", keys={"eagle3.target_layers": layers})
+    message = "bad.gguf's eagle3.target_layers is "
+    assert_refused_in_one_line(target, bad, message)
+    check = specdec("check", "-m", str(target), "-d", str(bad), "--json")
+    assert check.returncode == 1, check.stderr
+    assert message in json.loads(check.stdout)["problem"]
+    info = specdec("info", str(bad))
+    assert info.returncode == 0, info.stderr
 
 
 def test_measuring_costs_prices_a_head_step(mtp_model: Path) -> None:

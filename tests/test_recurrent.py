@@ -88,21 +88,21 @@ def test_snapshots_where_llama_cpp_has_them(pairs) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_trim_without_checkpoint_is_an_error_naming_the_model(pairs, family: str) -> None:
+def test_rewind_without_checkpoint_is_an_error_naming_the_model(pairs, family: str) -> None:
     target, _ = pairs[family]
     model = Model(target)
     ctx = Context(model, ContextParams(n_ctx=64, n_threads=1))
     try:
         ctx.decode([model.bos, 5, 6, 7], 0)
         with pytest.raises(RuntimeError, match=f"{target.name} is recurrent"):
-            ctx.trim(2)
+            ctx.rewind(2)
     finally:
         ctx.close()
         model.close()
 
 
 def logits_after(ctx: Context, tokens: list[int]) -> np.ndarray:
-    ctx.trim(0)
+    ctx.rewind(0)
     ctx.decode(tokens, 0)
     return ctx.logits(-1).copy()
 

@@ -30,6 +30,7 @@ from specdec_cli.decoding.scheduler import BatchSpeculation, Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.treeshape import AutoTree
+from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Context
 
 LONG_PROMPT = PROMPT + " and then" * 30  # read in several chunks below
@@ -694,3 +695,11 @@ def test_a_prompt_cache_that_cannot_load_reads_the_prompt_instead(
         monkeypatch.setattr(Context, "load_state", refused)
         again, stats = run_in(scheduler, engine, a)
     assert again == first and stats.prompt_reused <= 1
+
+
+def test_more_slots_than_a_batch_has_rows_are_refused(target_model: Path) -> None:
+    """-np 8 -b 4: one line before anything loads (splitting the target into slots ended
+    in a traceback)."""
+    options = EngineOptions(target_model, None, n_ctx=256 * 8, n_batch=4, threads=1, parallel=8)
+    with pytest.raises(UserError, match="-np 8 is more slots than -b 4 has rows"):
+        Engine(options)

@@ -76,10 +76,10 @@ class Variant:
     def named_for(self, engine: Engine) -> Variant:
         """As the engine drafts it: a -d file that is a head ("eagle3", "dflash",
         "assistant") drafts as that head, where the command line could only say "model"."""
-        head = engine.head
+        head = engine.head_kind
         if head is None or engine.draft_ctx is not None or self.drafter is None:
             return self
-        return replace(self, drafter=self.drafter.replace("model", head.kind))
+        return replace(self, drafter=self.drafter.replace("model", head))
 
     @property
     def name(self) -> str:

@@ -154,7 +154,7 @@ def measure_costs(
                 if ctx is target:
                     rebuild.append((first - steady) / base)
     for ctx, _ in [(target, 1), *probes]:
-        ctx.trim(0)
+        ctx.rewind(0)
     medians = [statistics.median(ratio[i]) for i in range(len(probes))]
     ratios = [1.0, *medians[: len(sizes) - 1]]
     c = medians[-1] if draft is not None else 0.0
@@ -187,7 +187,7 @@ def time_decodes(
                     samples[name][n].append(seconds)
     for slots in contexts.values():
         for ctx in slots:
-            ctx.trim(0)
+            ctx.rewind(0)
     return {
         name: {n: statistics.median(times) for n, times in by_size.items()}
         for name, by_size in samples.items()
@@ -202,7 +202,7 @@ def _filler(ctx: Context) -> int:
 def _fill(slots: Sequence[Context], position: int) -> None:
     """Each slot (of one llama.cpp context: see Context.split) `position` tokens deep."""
     for ctx in slots:
-        ctx.trim(0)
+        ctx.rewind(0)
         ctx.decode([_filler(ctx)] * position, 0)
 
 
@@ -220,13 +220,14 @@ def _settled(slots: Sequence[Context], n: int, position: int) -> tuple[float, fl
 
 def _decode_and_drop(slots: Sequence[Context], n: int, position: int) -> None:
     """n tokens a slot with logits for all, as a verification has, in one decode call;
-    then forgotten."""
+    then forgotten (a recurrent state back to its checkpoint, taken at `position`)."""
     for ctx in slots:
-        ctx.checkpoint()  # the whole batch goes: more than snapshots undo
+        if ctx.recurrent:
+            ctx.checkpoint()  # the whole batch goes: more than snapshots undo
         ctx.stage([_filler(ctx)] * n, n)
     slots[0].flush()
     for ctx in slots:
-        ctx.trim(position)
+        ctx.rewind(position)
 
 
 def median_costs(measured: Sequence[Costs]) -> Costs:

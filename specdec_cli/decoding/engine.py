@@ -49,8 +49,7 @@ class Engine(LoadedModels):
         """Each slot's decoder for the options' drafting. Made at first use, since a first
         -k auto run measures costs here: `run` checks its prompt before that wait."""
         o = self.options
-        head = self.head.kind if self.head else None
-        kind = drafter_kind(self.draft_ctx is not None, o.ngram, head)
+        kind = drafter_kind(self.draft_ctx is not None, o.ngram, self.head_kind)
         return [self.make_decoder(kind, o.drafting.k, slot=slot) for slot in range(o.parallel)]
 
     @property

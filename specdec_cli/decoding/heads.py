@@ -1,4 +1,5 @@
-"""A drafting head (MTP, EAGLE-3, DFlash): one more drafter behind the Drafter interface.
+"""A drafting head (MTP, chained MTP, EAGLE-3, DFlash, a Gemma 4 assistant): one more
+drafter behind the Drafter interface, a class for each head context (llamacpp/heads.py).
 
 An MTP or EAGLE-3 head drafts as a draft model does, a depth a call, a chain or a tree
 grown by the same code (drafters._Growth), and chooses each token as a draft model
@@ -25,23 +26,28 @@ import numpy as np
 from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape
 from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
-from specdec_cli.llamacpp.heads import HeadContext, HiddenStates
+from specdec_cli.llamacpp.heads import (
+    AssistantHead,
+    ChainedMtpHead,
+    DFlashHead,
+    Eagle3Head,
+    HeadContext,
+    MtpHead,
+)
+from specdec_cli.llamacpp.hiddenstates import HiddenStates
 from specdec_cli.llamacpp.llama import common_prefix
-
-HEAD_KINDS = ("mtp", "eagle3", "dflash", "assistant")  # HeadContext.kind: the drafters' names
 
 
 class HeadDrafter(ModelDrafter):
-    """A drafting head (the target's MTP block, or an EAGLE-3 file), drafting chains, or
-    trees where the target can verify them."""
+    """The target's MTP block drafting, chains, or trees where the target can verify
+    them."""
 
-    name = "mtp"  # or, per instance, "eagle3"
+    name = "mtp"
 
     def __init__(self, ctx: HeadContext, states: HiddenStates, sampling: SamplingParams) -> None:
         super().__init__(ctx, sampling)  # type: ignore[arg-type]
         self.head = ctx
         self.states = states
-        self.name = ctx.kind
 
     def begin(
         self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
@@ -72,7 +78,7 @@ class HeadDrafter(ModelDrafter):
         # Rows up to the last token, which the target has not decoded yet (it comes first
         # in the verification), but whose state before it the last verification gave.
         n_keep = head.rewind(min(common_prefix(head.tokens, read), head.fed, len(read) - 1))
-        states = head.states_for(self.states.before(n_keep + head.shift, len(tokens)))
+        states = head.states_for(self.states.after(n_keep + head.shift - 1, last))
         early = max(0, len(read) - n_keep - head.n_batch)  # what a call cannot hold (a prompt)
         if early:
             head.catch_up(read[n_keep : n_keep + early], states[:early])
@@ -118,11 +124,18 @@ class HeadDrafter(ModelDrafter):
         return True
 
 
+class Eagle3Drafter(HeadDrafter):
+    """An EAGLE-3 file drafting, chains or trees, as the target's MTP block does (its
+    context reads other states, a position later: see Eagle3Head)."""
+
+    name = "eagle3"
+
+
 class BlockDrafter(HeadDrafter):
     """A DFlash drafter: a whole draft from one decode of [last token, mask x k].
 
     Its memory holds, at each position the target has decoded, what it made of the
-    target's layer inputs there (HeadContext.inject); never a block, which goes as soon
+    target's layer inputs there (DFlashHead.inject); never a block, which goes as soon
     as its logits are read. Each row's token is chosen from that row's logits alone, as
     a draft model chooses (greedy, coupled or sampled): the rows do not read each other's
     choices, so a sampled token is drawn from the q that the verifier is told, given the
@@ -148,21 +161,21 @@ class BlockDrafter(HeadDrafter):
             return Draft(source=self.name)
         n_keep = head.rewind(min(common_prefix(head.tokens, tokens), head.fed, decoded))
         # The target's layer inputs at positions n_keep .. decoded - 1.
-        head.inject(tokens[n_keep:decoded], self.states.before(n_keep + 1, decoded + 1))
+        head.inject(tokens[n_keep:decoded], self.states.after(n_keep, decoded))
         head.fed = decoded
         self.states.forget_before(decoded)
         head.stage_block(tokens[-1], k)
         yield
         draft = Draft(source=self.name, calls=1)
         for row in range(1, k + 1):  # the row at position decoded + row
-            if not self._take(draft, head.block_logits(row), rng, decoded + row, keep_drafting):
+            if not self._take(draft, head.logits(row), rng, decoded + row, keep_drafting):
                 break
         head.drop_block()
         return draft
 
 
 class AssistantDrafter(HeadDrafter):
-    """A Gemma 4 assistant: the target's own cache is its memory (HeadContext.stage_at).
+    """A Gemma 4 assistant: the target's own cache is its memory (AssistantHead.stage_at).
 
     Every row of a round sits at the position of the text's last token, as the assistant
     was trained (llama.cpp's driver does the same): the first reads that token beside the
@@ -185,7 +198,7 @@ class AssistantDrafter(HeadDrafter):
     ) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
         self._last = len(tokens) - 1
-        state = self.states.before(self._last, len(tokens))
+        state = self.states.after(self._last - 1, self._last)
         self.states.forget_before(self._last)
         self.head.stage_at(tokens[-1:], self._last, state)
         yield
@@ -212,7 +225,7 @@ class ChainedHeadDrafter(HeadDrafter):
     a block.
 
     Each block attends over keys and values of its own, so each keeps a sequence of its
-    own (HeadContext.stage_head), holding the text read beside the target's states, and
+    own (ChainedMtpHead.stage_head), holding the text read beside the target's states, and
     its last draft rows until the next round. Step i catches block i up on the text the
     target accepted since and drafts at once, in one call: llama.cpp's driver catches
     every block up in a call of its own first (one per block), then drafts. A round that
@@ -234,13 +247,15 @@ class ChainedHeadDrafter(HeadDrafter):
         if not last:
             return Draft(source=self.name)
         n_keep = min(common_prefix(head.tokens, tokens), last)
-        read, states = tokens[n_keep:], self.states.before(n_keep, len(tokens))
+        read, states = tokens[n_keep:], self.states.after(n_keep - 1, last)
         self.states.forget_before(last)
         head.tokens[n_keep:] = read  # what every block holds after this round, drafts aside
         for block in range(head.n_heads):
             head.forget_head(block, n_keep)  # and its draft rows of last round
-        # What a call cannot hold beside the drafts (a prompt): every block's, now.
-        early = max(0, len(read) + head.n_heads - head.n_batch)
+        # What a call cannot hold beside the drafts (a prompt): every block's, now. The
+        # last block's call holds what is left of `read` and a draft from each block but
+        # itself; each call holds the text's last token at least.
+        early = max(0, len(read) + head.n_heads - 1 - head.n_batch)
         if early:
             for block in range(head.n_heads):
                 head.catch_up_head(block, read[:early], n_keep, states[:early])
@@ -259,15 +274,18 @@ class ChainedHeadDrafter(HeadDrafter):
         return draft
 
 
-# Each head kind's drafter (HeadContext.kind); the others' is HeadDrafter.
-DRAFTER_OF_KIND: dict[str, type[HeadDrafter]] = {
-    "dflash": BlockDrafter,
-    "assistant": AssistantDrafter,
+# Each head context's drafter.
+DRAFTER_OF: dict[type[HeadContext], type[HeadDrafter]] = {
+    MtpHead: HeadDrafter,
+    Eagle3Head: Eagle3Drafter,
+    ChainedMtpHead: ChainedHeadDrafter,
+    DFlashHead: BlockDrafter,
+    AssistantHead: AssistantDrafter,
 }
+# Their names: the drafter kinds that are heads (Policy.decoder).
+HEAD_KINDS = frozenset(drafter.name for drafter in DRAFTER_OF.values())
 
 
 def drafter_for(head: HeadContext) -> type[HeadDrafter]:
-    """The drafter of this head: by its kind, and chained MTP blocks by their number."""
-    if head.n_heads > 1:
-        return ChainedHeadDrafter
-    return DRAFTER_OF_KIND.get(head.kind, HeadDrafter)
+    """The drafter of this head context."""
+    return DRAFTER_OF[type(head)]

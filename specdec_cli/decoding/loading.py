@@ -18,13 +18,15 @@ from specdec_cli.decoding.costmodel import (
     time_decodes,
 )
 from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord, Timings
+from specdec_cli.decoding.heads import drafter_for
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.decoding.translate import Translation
 from specdec_cli.decoding.treeshape import MAX_WIDTH
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp import backend, costcache, rpc
-from specdec_cli.llamacpp.heads import HeadContext, HiddenStates, record_hidden_states
+from specdec_cli.llamacpp import backend, costcache, heads, rpc
+from specdec_cli.llamacpp.heads import DFlashHead, HeadContext
+from specdec_cli.llamacpp.hiddenstates import HiddenStates, record_hidden_states
 from specdec_cli.llamacpp.llama import (
     LLAMA_MAX_SEQ,
     Context,
@@ -39,8 +41,11 @@ from specdec_cli.models import compat, gguf_meta
 from specdec_cli.models.gguf_meta import GGUFFile
 from specdec_cli.models.heads import (
     ASSISTANT,
+    DFLASH,
+    EAGLE3,
     HEAD_FILES,
     LAYER_READERS,
+    dflash_block_size,
     head_file_problem,
     head_problem,
     is_mtp_sidecar,
@@ -52,6 +57,12 @@ from specdec_cli.models.heads import (
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
 TRANSLATED_ROOM = 2
 Loaded = TypeVar("Loaded", bound="LoadedModels")
+# The context of each head file, by its architecture (an MTP sidecar's: see mtp_head).
+HEAD_OF_ARCHITECTURE: dict[str, type[HeadContext]] = {
+    EAGLE3: heads.Eagle3Head,
+    DFLASH: heads.DFlashHead,
+    ASSISTANT: heads.AssistantHead,
+}
 
 
 def cost_sizes(top: int) -> set[int]:
@@ -136,13 +147,13 @@ class LoadedModels:
         init_backend(options.verbose)
         # The workers' devices, before any device is chosen: -dev may name them.
         self.workers = rpc.add_workers(options.rpc) if options.rpc else []
-        # A -d file that is a head (EAGLE-3, or an MTP sidecar), not a model of its own.
-        # Each header read once: a large vocabulary's takes a fifth of a second.
+        # A -d file that is a head (EAGLE-3, DFlash, an assistant, an MTP sidecar), not a
+        # model of its own. Each header read once: a large vocabulary's takes a fifth of a second.
         target_file = gguf_meta.read_gguf(options.target)
         draft_file = gguf_meta.read_gguf(draft_path) if draft_path else None
-        head_kind = head_of_file(target_file, draft_file)
-        head_file = draft_file if head_kind else None
-        pairing = check_models(target_file, None if head_kind else draft_file)
+        head_class = head_of_file(target_file, draft_file)
+        pairing = check_models(target_file, None if head_class else draft_file)
+        check_slots(options)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -150,9 +161,13 @@ class LoadedModels:
         # Both checked (device names) before the first, maybe long, load.
         repack = self.repack
         target_params = model_params(options.n_gpu_layers, options.device, "-dev", repack)
-        uses_head = head_kind is None and wants_head(options, target_file)
+        # An MTP sidecar's blocks load as the target's own would.
+        sidecar = head_class is not None and draft_file is not None and is_mtp_sidecar(draft_file)
+        uses_head = head_class is None and wants_head(options, target_file)
+        if uses_head:
+            head_class = mtp_head(target_file)
         target_params = replace(target_params, load_mtp=uses_head)
-        draft_params = replace(_draft_params(options, repack), load_mtp=head_kind == "mtp")
+        draft_params = replace(_draft_params(options, repack), load_mtp=sidecar)
         self._owned: list[Model | Context | HeadContext] = []
         self._flash_attn_records: dict[Path, FlashAttnRecord] = {}  # by model, for -fa auto
         self.model = self._own(Model(options.target, target_params))
@@ -160,8 +175,8 @@ class LoadedModels:
         n_ctx = options.n_ctx or min(self.model.n_ctx_train, DEFAULT_MAX_CTX) * parallel
         threads = options.threads or physical_cores()
         loaded = self._own(Model(draft_path, draft_params)) if draft_path else None
-        draft_model, head_model = (None, loaded) if head_kind else (loaded, None)
-        chains_only = _chains_only(head_kind, self.model if uses_head else head_model)
+        draft_model, head_model = (None, loaded) if head_class else (loaded, None)
+        chains_only = head_class.chains_only(head_model or self.model) if head_class else None
         self.tree_nodes = self._tree_nodes(draft_model, n_ctx, chains_only)
         # Before the contexts: their flash attention setting is fixed when they are made.
         self.flash_attn = self._choose_flash_attn(
@@ -179,13 +194,11 @@ class LoadedModels:
             n_seq_max=target_seqs * parallel,
         )
         self.target = self._own(Context(self.model, target_params))
-        # A drafting head (the target's own MTP head, or an EAGLE-3 file): one context for
-        # every slot, as the draft model's.
+        # A drafting head (the target's own MTP blocks, or a head file).
         self.head: HeadContext | None = None
-        if uses_head or head_model:
+        if head_class:
             head_seqs = draft_seqs if self.tree_nodes else 1
-            head = HeadContext(self.target, parallel, head_model, head_kind or "mtp", head_seqs)
-            self.head = self._own(head)
+            self.head = self._own(self._open_head(head_class, head_model, draft_file, head_seqs))
         self.draft_ctx: Context | None = None
         self.draft_flash_attn: str | None = None  # the draft's own choice (see below)
         # What -k auto prices with: the median of the measurements kept, and the first.
@@ -216,7 +229,9 @@ class LoadedModels:
         )
         # Each slot's head, and the target's states it reads (recorded from the target's
         # first decode on): its final hidden states, or the layer inputs EAGLE-3 names.
-        layers = target_layers(head_file) if head_kind in LAYER_READERS else ()
+        layers: list[int] = []  # the target's final states, unless a head file reads its layers
+        if draft_file is not None and draft_file.architecture in LAYER_READERS:
+            layers = target_layers(draft_file)
         self.head_slots: list[tuple[HeadContext, HiddenStates]] = (
             [
                 (head, record_hidden_states(slot, layers))
@@ -229,6 +244,27 @@ class LoadedModels:
         self.translation: Translation | None = None
         if draft_model and pairing.translated:
             self._translate_drafts(draft_model, pairing.differences[0])
+
+    def _open_head(
+        self,
+        head_class: type[HeadContext],
+        model: Model | None,
+        file: GGUFFile | None,
+        seqs_per_slot: int,
+    ) -> HeadContext:
+        """The drafting head's context, one for every slot, as the draft model's: of the
+        target's own MTP blocks (`model` None), or of a head file. A DFlash file's block
+        size comes from its header (models/heads.py reads it)."""
+        parallel = self.options.parallel
+        if head_class is DFlashHead:
+            assert model is not None and file is not None
+            return DFlashHead(self.target, parallel, model, dflash_block_size(file))
+        return head_class(self.target, parallel, model, seqs_per_slot)
+
+    @property
+    def head_kind(self) -> str | None:
+        """The drafter kind of the drafting head ("mtp", "eagle3", ...; None: no head)."""
+        return drafter_for(self.head).name if self.head else None
 
     def _translate_drafts(self, draft_model: Model, why: str) -> None:
         self.translation = Translation(self.model, draft_model)
@@ -420,7 +456,7 @@ class LoadedModels:
         return {
             "threads": [self.target.threads, self.draft_ctx.threads if self.draft_ctx else 0],
             "flash_attn": [self.flash_attn.used, self.draft_flash_attn],
-            "head": self.head.kind if self.head else None,
+            "head": self.head_kind,
             "sizes": sorted(sizes),
             **self._load_settings(),
         }
@@ -448,6 +484,17 @@ class LoadedModels:
         self.close()
 
 
+def check_slots(options: EngineOptions) -> None:
+    """Every slot takes a row of each decode call (llama.cpp keeps a sequence a slot, and
+    no more sequences than a batch has rows): more slots than -b are refused."""
+    parallel, n_batch = options.parallel, options.n_batch
+    if parallel > n_batch:
+        raise UserError(
+            f"-np {parallel} is more slots than -b {n_batch} has rows (each slot takes a "
+            f"row of every decode call); raise -b to {parallel} or more"
+        )
+
+
 def batch_warnings(options: EngineOptions) -> list[str]:
     """A round verifies its draft in one decode call of at most -b tokens: the draft
     token plus the one before it. Longer drafts are cut; say so."""
@@ -461,33 +508,28 @@ def batch_warnings(options: EngineOptions) -> list[str]:
     ]
 
 
-def _chains_only(head_kind: str | None, head_model: Model | None) -> str | None:
-    """Why the drafting head drafts chains only (None: it can grow trees): a DFlash file's
-    one call drafts a block, chained MTP blocks a token each."""
-    if head_kind == "dflash":
-        return "a DFlash drafter drafts chains"
-    if head_kind in (None, "mtp") and head_model and head_model.n_nextn > 1:
-        return f"{head_model.path.name}'s {head_model.n_nextn} chained MTP blocks draft chains"
-    return None
-
-
-def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> str | None:
-    """Where the -d file is a head, not a model of its own, its kind ("eagle3", "dflash":
-    drafting through the target's layer inputs; "assistant": a Gemma 4 assistant, reading
-    the target's cache; "mtp": an MTP sidecar, the block alone), checked against the
-    target in one line. None otherwise."""
+def head_of_file(target: GGUFFile, draft: GGUFFile | None) -> type[HeadContext] | None:
+    """Where the -d file is a head, not a model of its own, its context: an EAGLE-3 or
+    DFlash file's (drafting through the target's layer inputs), a Gemma 4 assistant's
+    (reading the target's cache), or an MTP sidecar's (the block alone), checked against
+    the target in one line. None otherwise."""
     if draft is None:
         return None
     if draft.architecture in HEAD_FILES:
-        kind = "assistant" if draft.architecture == ASSISTANT else draft.architecture
-        problem = head_file_problem(target, draft)
+        head, problem = HEAD_OF_ARCHITECTURE[draft.architecture], head_file_problem(target, draft)
     elif is_mtp_sidecar(draft):
-        kind, problem = "mtp", sidecar_problem(target, draft)
+        head, problem = mtp_head(draft), sidecar_problem(target, draft)
     else:
         return None
     if problem:
         raise UserError(f"{draft.path.name} cannot draft for {target.path.name}: {problem}")
-    return kind
+    return head
+
+
+def mtp_head(file: GGUFFile) -> type[HeadContext]:
+    """The context of a model's MTP blocks (or of a sidecar's): chained where it has
+    several, one a draft step."""
+    return heads.ChainedMtpHead if file.n_nextn > 1 else heads.MtpHead
 
 
 def wants_head(options: EngineOptions, target: GGUFFile) -> bool:

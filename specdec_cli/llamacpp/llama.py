@@ -258,7 +258,7 @@ class ContextParams:
     n_batch: int = 2048
     n_ubatch: int = 512
     # Recurrent models: how many tokens of the last decode call llama.cpp keeps state
-    # snapshots for, so that trim can drop them without a checkpoint (where supported).
+    # snapshots for, so that rewind can drop them without a checkpoint (where supported).
     n_rs_seq: int = 0
     # Sequences held at once: 1, or the branches of a draft tree (the KV cache is then
     # unified, so branches share the cells of the accepted tokens instead of copying them).
@@ -272,7 +272,7 @@ class Context:
     `decode` is the only way tokens enter the memory; `rewind` and `keep_branch` are
     the ways they leave. Attention caches drop any suffix. A recurrent state (Mamba,
     RWKV, the recurrent layers of hybrids) cannot be cut back: `checkpoint` saves it
-    first, and `trim` restores that copy and evaluates again the tokens kept after it.
+    first, and `rewind` restores that copy (the caller evaluates the rest again).
     Time spent inside llama.cpp's decode is summed in `decode_seconds`, so callers can
     tell the engine's cost from their own; the time `checkpoint` and `keep_branch` take
     to make a call's tokens undoable and to undo the rejected ones, in
@@ -323,7 +323,7 @@ class Context:
         # Called after each decode call with this context's tokens in it: (the position
         # of its first token, its places in the batch); for a tree's call, at keep_branch
         # with the kept path's places. A drafting head reads the target's hidden states there
-        # (see heads.record_hidden_states).
+        # (see hiddenstates.record_hidden_states).
         self.on_decoded: Callable[[int, slice | list[int]], None] | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0
@@ -669,12 +669,6 @@ class Context:
         if not self.recurrent or n_keep == 0 or self._within_snapshots(n_keep):
             return True
         return self._checkpoint.n_tokens is not None and self._checkpoint.n_tokens <= n_keep
-
-    def trim(self, n_keep: int) -> None:
-        """Forget every token at position >= n_keep, replaying what a rewind undid."""
-        kept = self.tokens[:n_keep]
-        n = self.rewind(n_keep)
-        self.decode(kept[n:], n)
 
     def _within_snapshots(self, n_keep: int) -> bool:
         """llama.cpp's snapshots cover the trailing tokens of the last decode call only,

@@ -12,7 +12,7 @@ import mmap
 import os
 import stat
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
 
@@ -133,6 +133,7 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]
     ggml_type: int
+    offset: int = 0  # where its data starts, in bytes from the start of the file
 
     @property
     def n_elements(self) -> int:
@@ -446,4 +447,24 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFFile:
             f"{path} is truncated: its tensors need {data_end} bytes but the file has {size}; "
             "the download or conversion was interrupted, fetch the file again"
         )
+    tensors = [replace(t, offset=data_start + o) for t, o in zip(tensors, offsets, strict=True)]
     return GGUFFile(path, size, version, metadata, tensors)
+
+
+# numpy's types of the ggml types stored one element a value (not in quantized blocks).
+_PLAIN_TYPES = {
+    "F32": np.float32,
+    "F16": np.float16,
+    "F64": np.float64,
+    "I8": np.int8,
+    "I16": np.int16,
+    "I32": np.int32,
+    "I64": np.int64,
+}
+
+
+def tensor_values(file: GGUFFile, tensor: TensorInfo) -> np.ndarray:
+    """The values of one of the file's tensors of a plain type (not quantized), flat:
+    for small tensors a header check reads (a head file's vocabulary map)."""
+    dtype = np.dtype(_PLAIN_TYPES[tensor.type_name]).newbyteorder("<")
+    return np.fromfile(file.path, dtype, tensor.n_elements, offset=tensor.offset)

@@ -4,7 +4,7 @@ MTP ("nextn") head, and an EAGLE-3, DFlash or Gemma 4 assistant file for a targe
 
 from __future__ import annotations
 
-from specdec_cli.models.gguf_meta import GGUFFile
+from specdec_cli.models.gguf_meta import GGUFFile, TensorInfo, tensor_values
 
 EAGLE3 = "eagle3"
 DFLASH = "dflash"
@@ -42,11 +42,6 @@ MTP_ARCHITECTURES = frozenset(
 CHAINED_MTP_ARCHITECTURES = frozenset(
     {"bailingmoe3", "deepseek32", "deepseek4", "glm-dsa", "glm4moe", "hy_v3", "mimo2", "step35"}
 )
-
-
-# Those whose MTP graph gives a state for the rows with logits only (it gathers them
-# first): the others give one for every row.
-MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
 
 
 def describe_head(file: GGUFFile) -> dict[str, object]:
@@ -125,7 +120,7 @@ def is_mtp_sidecar(file: GGUFFile) -> bool:
 
 def sidecar_problem(target: GGUFFile, head: GGUFFile) -> str | None:
     """Why an MTP sidecar cannot draft for this target (None: it can)."""
-    problem = head_problem(head)
+    problem = head_problem(head) or sidecar_blocks_problem(head)
     if problem:
         return problem
     name, target_name = head.path.name, target.path.name
@@ -138,6 +133,31 @@ def sidecar_problem(target: GGUFFile, head: GGUFFile) -> str | None:
         )
     if len(head.tokens) != len(target.tokens):
         return f"{name} has {len(head.tokens)} tokens, {target_name} {len(target.tokens)}"
+    trunk, target_trunk = _trunk(head), _trunk(target)
+    if trunk != target_trunk:
+        return f"{name} is the MTP of a model of {trunk} layers, {target_name} has {target_trunk}"
+    return None
+
+
+def _trunk(file: GGUFFile) -> int:
+    """A model's layers before its MTP blocks."""
+    return (file.n_layers or 0) - file.n_nextn
+
+
+def sidecar_blocks_problem(head: GGUFFile) -> str | None:
+    """Why an MTP sidecar's blocks are not those its header names, the last
+    nextn_predict_layers of block_count (None: they are). llama.cpp fails to load a
+    block it misses, or (MiMo-V2's, where the first is missing) takes them all for
+    optional and aborts the process at the first draft."""
+    name, names = head.path.name, {t.name for t in head.tensors}
+    blocks = range(_trunk(head), head.n_layers or 0)
+    said = f"its header says {blocks.start}-{blocks.stop - 1}"
+    for block in blocks:
+        if f"blk.{block}.nextn.eh_proj.weight" not in names:
+            return f"{name} has no MTP block {block} (blk.{block}.nextn.eh_proj.weight); {said}"
+    stray = sorted({int(n.split(".")[1]) for n in names if n.startswith("blk.")} - set(blocks))
+    if stray:
+        return f"{name} has tensors of blocks {stray} beside its MTP blocks ({said})"
     return None
 
 
@@ -182,8 +202,28 @@ LAYER_INPUT_ARCHITECTURES = frozenset(
 
 def target_layers(head: GGUFFile) -> list[int]:
     """The target layers whose inputs an EAGLE-3 or DFlash file reads (n_layer: the
-    final state)."""
-    return [int(i) for i in head.metadata.get(f"{head.architecture}.target_layers") or []]
+    final state); none where it names them otherwise than as whole numbers (see
+    target_layers_problem)."""
+    value = head.metadata.get(f"{head.architecture}.target_layers")
+    if isinstance(value, list) and all(_is_whole(i) for i in value):
+        return value
+    return []
+
+
+def target_layers_problem(head: GGUFFile) -> str | None:
+    """Why an EAGLE-3 or DFlash file's target layers cannot be read (None: they can)."""
+    key = f"{head.architecture}.target_layers"
+    value = head.metadata.get(key)
+    if not value:
+        return f"{head.path.name} names no target layers ({key})"
+    if not target_layers(head):
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        return f"{head.path.name}'s {key} is {shown}, not a list of layer numbers"
+    return None
+
+
+def _is_whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def head_file_problem(target: GGUFFile, head: GGUFFile) -> str | None:
@@ -239,10 +279,11 @@ def layer_reader_problem(target: GGUFFile, head: GGUFFile) -> str | None:
     n_layer, width = target.n_layers or 0, target.embedding_length
     if target.architecture not in LAYER_INPUT_ARCHITECTURES:
         return f"llama.cpp exposes no layer inputs of a {target.architecture} model to {name}"
+    problem = target_layers_problem(head)
+    if problem:
+        return problem
     if head.architecture == EAGLE3 and len(layers) != 3:
         return f"{name} names {len(layers)} target layers ({EAGLE3}.target_layers), not 3"
-    if not layers:
-        return f"{name} names no target layers ({head.architecture}.target_layers)"
     if max(layers) > n_layer or min(layers) < 0:
         return f"{name} reads layers {layers}, but {target.path.name} has {n_layer}"
     # DFlash reads the layers side by side at its own width (llama.cpp: n_embd_inp_enc).
@@ -252,14 +293,46 @@ def layer_reader_problem(target: GGUFFile, head: GGUFFile) -> str | None:
     )
     if wanted != width:
         return f"{name} was made for a hidden size of {wanted}, {target.path.name}'s is {width}"
-    output = next((t for t in head.tensors if t.name == "output.weight"), None)
-    has_map = any(t.name == "d2t" for t in head.tensors)
-    if output is not None and not has_map and output.shape[-1] != len(target.tokens):
+    output, d2t = _tensor(head, "output.weight"), _tensor(head, "d2t")
+    if output is not None and d2t is None and output.shape[-1] != len(target.tokens):
         return (
             f"{name} predicts {output.shape[-1]} tokens without a map (d2t) to "
             f"{target.path.name}'s {len(target.tokens)}"
         )
-    return dflash_problem(head) if head.architecture == DFLASH else None
+    problem = d2t_problem(target, head, d2t, output) if d2t is not None else None
+    if problem or head.architecture != DFLASH:
+        return problem
+    return dflash_problem(head)
+
+
+def _tensor(file: GGUFFile, name: str) -> TensorInfo | None:
+    return next((t for t in file.tensors if t.name == name), None)
+
+
+def d2t_problem(
+    target: GGUFFile, head: GGUFFile, d2t: TensorInfo, output: TensorInfo | None
+) -> str | None:
+    """Why a head file's d2t, the target token of each token it predicts, cannot map its
+    output to the target's vocabulary (None: it can). llama.cpp asserts its type and
+    length (aborting the process), and writes each row at the id it names, past the
+    target's vocabulary where that is out of range."""
+    name, n_vocab = head.path.name, len(target.tokens)
+    # What it maps: its own output's rows, or without one the target's, borrowed.
+    rows = output.shape[-1] if output is not None else n_vocab
+    if d2t.type_name != "I64" or d2t.shape != (rows,):
+        return (
+            f"{name}'s d2t is {d2t.type_name} of shape {list(d2t.shape)}; llama.cpp takes "
+            f"one token id (I64) for each of the {rows} tokens it predicts"
+        )
+    ids = tensor_values(head, d2t)
+    outside = (ids < 0) | (ids >= n_vocab)
+    if outside.any():
+        row = int(outside.argmax())
+        return (
+            f"{name}'s d2t maps its token {row} to id {ids[row]}, outside "
+            f"{target.path.name}'s {n_vocab} tokens"
+        )
+    return None
 
 
 def dflash_problem(head: GGUFFile) -> str | None:
