@@ -138,9 +138,9 @@ def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
         seen.append((self._text, list(draft.tokens), logits.copy()))
         return original_take(self, draft, logits, *rest)
 
-    def drafting(self, tokens, *args, **kwargs):
-        self._text = list(tokens)
-        return original_drafting(self, tokens, *args, **kwargs)
+    def drafting(self, request):
+        self._text = list(request.tokens)
+        return original_drafting(self, request)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ChainedHeadDrafter, "_take", take)

@@ -33,7 +33,7 @@ from scipy.stats import chi2_contingency, chisquare
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.decode import Decoder, step
-from specdec_cli.decoding.draft import Draft, DraftSteps
+from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.ngram import NgramDrafter
@@ -385,12 +385,10 @@ class WrongDrafter:
     def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
         pass
 
-    def drafting(
-        self, tokens: list[int], k: int, rng: np.random.Generator, *_: object
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         yield from ()
-        at = len(tokens) - self.n_prompt
-        return Draft([(self.reference[at] + 1) % self.n_vocab] * k, source=self.name)
+        at = len(request.tokens) - self.n_prompt
+        return Draft([(self.reference[at] + 1) % self.n_vocab] * request.k, source=self.name)
 
 
 def test_nothing_accepted(target_model: Path, fixture_reference) -> None:

@@ -159,10 +159,10 @@ def test_after_a_partial_acceptance_dflash_drafts_as_fresh_contexts(
     seen: list[tuple[list[int], list[np.ndarray]]] = []
     original = BlockDrafter.drafting
 
-    def drafting(self, tokens, k, rng, *args, **kwargs):
-        draft = yield from original(self, tokens, k, rng, *args, **kwargs)
-        rows = [self.head.logits(i).copy() for i in range(1, 5)] if k == 4 else []
-        seen.append((list(tokens), rows))
+    def drafting(self, request):
+        draft = yield from original(self, request)
+        rows = [self.head.logits(i).copy() for i in range(1, 5)] if request.k == 4 else []
+        seen.append((list(request.tokens), rows))
         return draft
 
     with pytest.MonkeyPatch.context() as mp:

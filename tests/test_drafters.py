@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from specdec_cli.decoding.draft import Draft, DraftSteps, propose
+from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps, propose
 from specdec_cli.decoding.lookupthenmodel import LookupThenModel
 from specdec_cli.decoding.ngram import NgramDrafter, TextMemory
 from specdec_cli.llamacpp.llama import common_prefix
@@ -25,9 +25,9 @@ class StandInModel:
     def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
         pass
 
-    def drafting(self, tokens, k, rng, keep_drafting=None, shape=None) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         yield from ()
-        return Draft(tokens=self.guess(tokens)[:k], source=self.name)
+        return Draft(tokens=self.guess(request.tokens)[: request.k], source=self.name)
 
 
 def test_ngram_proposes_what_followed_the_longest_match() -> None:

@@ -249,9 +249,9 @@ def first_step_logits(
 
     original_drafting = drafter.drafting
 
-    def drafting(self, tokens, k, rng, *args, **kwargs):
-        self._tokens = list(tokens)
-        return original_drafting(self, tokens, k, rng, *args, **kwargs)
+    def drafting(self, request):
+        self._tokens = list(request.tokens)
+        return original_drafting(self, request)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(drafter, "children", children)

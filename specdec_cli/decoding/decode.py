@@ -19,7 +19,14 @@ from typing import TypeVar, cast
 import numpy as np
 
 from specdec_cli.decoding.costmodel import verify_cost
-from specdec_cli.decoding.draft import NO_DRAFT, Draft, Drafter, DraftSteps, draft_together
+from specdec_cli.decoding.draft import (
+    NO_DRAFT,
+    Draft,
+    Drafter,
+    DraftRequest,
+    DraftSteps,
+    draft_together,
+)
 from specdec_cli.decoding.draftlength import AutoLength, DraftLength, FixedLength
 from specdec_cli.decoding.grammar import Constraint, Grammar, PathMasks
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
@@ -556,7 +563,8 @@ class Generation:
             model.constraint = constraint
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
-        return decoder.drafter.drafting(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+        request = DraftRequest(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+        return decoder.drafter.drafting(request)
 
     def _forced(self, tokens: list[int]) -> DraftSteps:
         """A draft of the tokens the grammar forces: each at probability 1 (the masked

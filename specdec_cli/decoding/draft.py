@@ -152,6 +152,21 @@ NO_DRAFT = Draft()  # a round that drafts nothing (never changed: every such rou
 DraftSteps = Generator[None, None, Draft]
 
 
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a round asks of a drafter: up to k tokens deep after `tokens` (the text so far),
+    drawn with `rng` where it samples; a chain, or the tree `shape` allows; asking
+    `keep_drafting` before each token where it knows its confidence; from `source` (one
+    of its `sources`; None: the first)."""
+
+    tokens: list[int]
+    k: int
+    rng: np.random.Generator
+    keep_drafting: KeepDrafting | None = None
+    shape: TreeShape | None = None
+    source: str | None = None
+
+
 class Drafter(Protocol):
     name: str
     ctx: Context | None  # the draft model's context, if it has one
@@ -169,16 +184,8 @@ class Drafter(Protocol):
         their guesses and their costs differ."""
         ...
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
-        """Up to k tokens deep, from `source` (one of `sources`; None: the first)."""
+    def drafting(self, request: DraftRequest) -> DraftSteps:
+        """The round's draft (see DraftRequest)."""
         ...
 
 
@@ -187,7 +194,7 @@ def propose(
 ) -> Draft:
     """One drafter's round on its own (`options`: drafting's): each of its draft decode
     calls is its alone."""
-    steps = drafter.drafting(tokens, k, rng, **options)
+    steps = drafter.drafting(DraftRequest(tokens, k, rng, **options))
     return draft_together([steps], [drafter.ctx])[0]
 
 

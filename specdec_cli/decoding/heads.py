@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps, KeepDrafting
 from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import (
@@ -59,16 +59,9 @@ class HeadDrafter(ModelDrafter):
             self.sampling = sampling
         self.noise = noise
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
+        tokens = request.tokens
         head, last = self.head, len(tokens) - 1
         # What the head reads, by its positions: the text, or for EAGLE-3 the text from
         # its second token (its row at p holds the token at p + 1).
@@ -87,7 +80,9 @@ class HeadDrafter(ModelDrafter):
         self.states.forget_before(last)
         yield
         # Its logits are in the target's vocabulary (EAGLE-3's mapped by d2t).
-        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape, len(read))
+        draft = yield from self._grow(
+            len(tokens), request.k, request.rng, request.keep_drafting, request.shape, len(read)
+        )
         draft.calls += 1  # the catch-up call, which drafted the first depth
         head.drop_branches()
         return draft
@@ -145,18 +140,11 @@ class BlockDrafter(HeadDrafter):
 
     name = "dflash"
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens (the block's size less one at most), a chain."""
+        tokens, rng, keep_drafting = request.tokens, request.rng, request.keep_drafting
         head, decoded = self.head, len(tokens) - 1  # the last token is not decoded yet
-        k = min(k, head.block_size - 1)
+        k = min(request.k, head.block_size - 1)
         if decoded < 1 or k < 1:
             return Draft(source=self.name)
         n_keep = head.rewind(min(common_prefix(head.tokens, tokens), head.fed, decoded))
@@ -187,22 +175,17 @@ class AssistantDrafter(HeadDrafter):
     name = "assistant"
     _last = 0  # the position of the text's last token, this round
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
+        tokens = request.tokens
         self._last = len(tokens) - 1
         state = self.states.after(self._last - 1, self._last)
         self.states.forget_before(self._last)
         self.head.stage_at(tokens[-1:], self._last, state)
         yield
-        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape)
+        draft = yield from self._grow(
+            len(tokens), request.k, request.rng, request.keep_drafting, request.shape
+        )
         draft.calls += 1  # the call that drafted the first depth
         return draft
 
@@ -233,16 +216,9 @@ class ChainedHeadDrafter(HeadDrafter):
     the target's states are kept for one round only, and no block may lag the text.
     """
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens (one a block at most), a chain."""
+        tokens, k, rng = request.tokens, request.k, request.rng
         head, last = self.head, len(tokens) - 1
         if not last:
             return Draft(source=self.name)
@@ -269,7 +245,10 @@ class ChainedHeadDrafter(HeadDrafter):
             yield
             draft.calls += 1
             position = len(tokens) + block
-            if drafting and self._take(draft, head.logits(), rng, position, keep_drafting):
+            taken = drafting and self._take(
+                draft, head.logits(), rng, position, request.keep_drafting
+            )
+            if taken:
                 own.append(head.hidden().copy())
         return draft
 

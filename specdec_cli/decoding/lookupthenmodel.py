@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
+from dataclasses import replace
 
-from specdec_cli.decoding.draft import Drafter, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.draft import Drafter, DraftRequest, DraftSteps
 from specdec_cli.decoding.ngram import Match, NgramDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 
@@ -89,19 +89,11 @@ class LookupThenModel:
                 self.hit_rate[source] += (1.0 - self.DECAY) * ((i < hits) - self.hit_rate[source])
         self._guesses = []
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
-        order, match = self._decide(tokens)
-        source = source or order[0]
+    def drafting(self, request: DraftRequest) -> DraftSteps:
+        order, match = self._decide(request.tokens)
+        source = request.source or order[0]
         if source in (self.lookup.name, self.lookup.VERBATIM_SOURCE):
-            return self.lookup.continuation(match, k, shape, source)
-        draft = yield from self.model.drafting(tokens, k, rng, keep_drafting, shape)
-        self._guesses.append((self.model.name, len(tokens), draft.primary_path()))
+            return self.lookup.continuation(match, request.k, request.shape, source)
+        draft = yield from self.model.drafting(replace(request, source=None))
+        self._guesses.append((self.model.name, len(request.tokens), draft.primary_path()))
         return draft

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdec_cli.decoding.draft import DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.draft import DraftRequest, DraftSteps, KeepDrafting, TreeShape
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams, distribution
 from specdec_cli.decoding.treegrowth import TreeGrowth
 from specdec_cli.llamacpp.llama import Context
@@ -79,20 +79,15 @@ class ModelDrafter:
             n += 1
         return self.ctx.rewind(min(n, len(tokens) - 1))
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
+        tokens, k = request.tokens, request.k
         calls = yield from self._catch_up(tokens)
         if k > 1:
             self.ctx.checkpoint()  # the drafts it evaluates may be rejected
-        draft = yield from self._grow(len(tokens), k, rng, keep_drafting, shape)
+        draft = yield from self._grow(
+            len(tokens), k, request.rng, request.keep_drafting, request.shape
+        )
         draft.calls += calls
         # The draft tokens evaluated in sequence 0 (all of the chain but its last
         # token, usually) stay cached: next round keeps those the target accepted.

@@ -5,9 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import numpy as np
-
-from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape, merge_into_tree
+from specdec_cli.decoding.draft import (
+    Draft,
+    DraftRequest,
+    DraftSteps,
+    TreeShape,
+    merge_into_tree,
+)
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams
 
 # A lookup's match: a text, and where the n-gram that ends the current text ended in it
@@ -172,19 +176,12 @@ class NgramDrafter:
                 return found
         return tokens, []
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
+    def drafting(self, request: DraftRequest) -> DraftSteps:
         """`keep_drafting` is not consulted: a lookup has no confidence to offer. Nor
         does it decode anything: it returns at once."""
         yield from ()
-        return self.continuation(self.matches(tokens), k, shape, source)
+        match = self.matches(request.tokens)
+        return self.continuation(match, request.k, request.shape, request.source)
 
     @staticmethod
     def followed(match: Match, n: int, loop: bool = False) -> list[int]:

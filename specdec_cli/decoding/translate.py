@@ -28,7 +28,12 @@ from pathlib import Path
 import llama_cpp
 import numpy as np
 
-from specdec_cli.decoding.draft import Draft, DraftSteps, KeepDrafting, TreeShape, merge_into_tree
+from specdec_cli.decoding.draft import (
+    Draft,
+    DraftRequest,
+    DraftSteps,
+    merge_into_tree,
+)
 from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import GREEDY, Dist, Noise, SamplingParams
 from specdec_cli.llamacpp import costcache
@@ -255,41 +260,23 @@ class TranslatedDrafter:
     def sources(self, tokens: list[int]) -> list[str]:
         return [self.name]
 
-    def drafting(
-        self,
-        tokens: list[int],
-        k: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None = None,
-        shape: TreeShape | None = None,
-        source: str | None = None,
-    ) -> DraftSteps:
-        sequence = self._follow(tokens)
+    def drafting(self, request: DraftRequest) -> DraftSteps:
+        sequence = self._follow(request.tokens)
         room = self.ctx.n_ctx - len(sequence) - 1  # the draft's tokens are more, or fewer
         if room < 1 or not sequence:
             return Draft(source=self.name)
         if self.sampling.draft_invariant:
-            matched = yield from self._string_match(
-                tokens, sequence, k, room, rng, keep_drafting, shape
-            )
+            matched = yield from self._string_match(request, sequence, room)
             return matched
-        draft = yield from self.model.drafting(sequence, min(k, room), rng, keep_drafting, shape)
+        ours = replace(request, tokens=sequence, k=min(request.k, room), source=None)
+        draft = yield from self.model.drafting(ours)
         # Every token drawn is a shared one: the same text, one target token each.
         shared = self.translation.shared
         draft.tokens = shared.map_tokens(draft.tokens)
         draft.dists = [shared.map_dist(q) for q in draft.dists]
         return draft
 
-    def _string_match(
-        self,
-        tokens: list[int],
-        sequence: list[int],
-        k: int,
-        room: int,
-        rng: np.random.Generator,
-        keep_drafting: KeepDrafting | None,
-        shape: TreeShape | None,
-    ) -> DraftSteps:
+    def _string_match(self, request: DraftRequest, sequence: list[int], room: int) -> DraftSteps:
         """SLEM: enough draft tokens for k + 1 target ones, their text tokenized by the
         target after its last tokens; the last is dropped (the draft's text may end
         inside a target token: "sa" of "sat"), and at most k kept.
@@ -298,6 +285,7 @@ class TranslatedDrafter:
         as its tokens are shorter) and each of its paths, root to leaf, is translated
         so: where two paths' texts part, so do their translations (a trie, the primary
         path first), up to the shape's nodes."""
+        tokens, k, shape = request.tokens, request.k, request.shape
         per_token = self._target_bytes / self._draft_bytes  # draft tokens a target token
         depth = max(1, min(math.ceil((k + 1) * per_token), 4 * k, room))
         n_max, ours_shape = k, None
@@ -306,7 +294,8 @@ class TranslatedDrafter:
             # nodes after translation, not by the draft.
             n_max, nodes = shape.nodes, min(room, math.ceil(shape.nodes * per_token))
             ours_shape = replace(shape, nodes=nodes, verify=(), draft_call=0.0)
-        ours = yield from self.model.drafting(sequence, depth, rng, keep_drafting, ours_shape)
+        asked = replace(request, tokens=sequence, k=depth, shape=ours_shape, source=None)
+        ours = yield from self.model.drafting(asked)
         texts = [self._text(path) for path in leaf_paths(ours)]
         primary, n_spelled = texts[0]
         if n_spelled:
