@@ -65,10 +65,12 @@ from specdec_cli.commands.options import (
     split_drafts,
     takes_chat_flags,
     takes_engine_flags,
+    takes_projector_flags,
     temp_option,
 )
-from specdec_cli.commands.prompts import read_prompt, read_prompts
+from specdec_cli.commands.prompts import read_media_files, read_prompt, read_prompts
 from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
+from specdec_cli.decoding.engine import NO_PROJECTOR
 from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
@@ -83,6 +85,7 @@ from specdec_cli.messages import warn
 from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.models.heads import HEAD_FILES
+from specdec_cli.models.mmproj import check_media, read_projector
 from specdec_cli.models.resolve import HEAD
 from specdec_cli.serve.api import ServeOptions
 
@@ -146,6 +149,7 @@ def _main_options(
 @app.command()
 @takes_engine_flags
 @takes_chat_flags
+@takes_projector_flags
 def run(
     model: Annotated[
         str | None,
@@ -231,6 +235,25 @@ def run(
             "ends with an assistant message, the reply continues it.",
         ),
     ] = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            metavar="FILE",
+            help="An image (PNG, JPEG, GIF or BMP) the prompt asks about; repeatable. It "
+            "goes where the prompt says <__media__>, else before the prompt's text (with "
+            "--chat, of the user's turn), as llama-mtmd-cli puts it. Needs --mmproj.",
+        ),
+    ] = None,
+    audio: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--audio",
+            metavar="FILE",
+            help="An audio clip (WAV, MP3 or FLAC), as --image, after the images; for a "
+            "projector that takes audio.",
+        ),
+    ] = None,
     verbose_prompt: VerbosePromptOpt = False,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
@@ -255,6 +278,7 @@ def run(
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
+    projector_flags: FlagValues,  # --mmproj, --no-mmproj: see takes_projector_flags
     as_json: Annotated[
         bool,
         typer.Option(
@@ -320,6 +344,7 @@ def run(
       specdec run -m target.gguf -d draft.gguf -k 5 -p "Once upon a time" -n 256
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
       specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
+      specdec run -m target.gguf --mmproj mmproj.gguf --image pic.png -p "Describe it" --chat
     """
     if list_pairs:
         print("\n".join(pair_lines(load_config(config))))
@@ -329,10 +354,22 @@ def run(
     # The input first: a typo there must not wait for models to load (or download).
     chat_opts = chat_options(chat, system, messages, prompt, chat_format(**chat_flags))
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
+    media = read_media_files(image or [], audio or [])
     constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     options, defaults = engine_options(
-        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+        model,
+        draft or [],
+        config,
+        k=k,
+        tree=tree,
+        **shared_options(locals()),
+        **projector_flags,
+        find_mmproj=bool(media),
     )
+    if media:  # refused from the headers, before anything loads
+        if options.mmproj is None:
+            raise UserError(NO_PROJECTOR)
+        check_media(read_projector(options.mmproj), media)
     options = replace(options, grammar=constraint)
     generation = generation_options(n_predict, seed, defaults)
     token_logprobs = logprob_options(logprobs, post_sampling_probs)
@@ -349,7 +386,7 @@ def run(
         prompt=verbose_prompt,
         logprobs=token_logprobs,
     )
-    generate(options, texts, generation, tuple(stop or ()), chat_opts, output)
+    generate(options, texts, generation, tuple(stop or ()), chat_opts, output, media)
 
 
 @app.command()

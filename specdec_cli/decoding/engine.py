@@ -22,6 +22,7 @@ from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import MediaCells
 from specdec_cli.llamacpp.media import Media
+from specdec_cli.llamacpp.mtmd import MARKER
 from specdec_cli.models.chat import (
     ChatFormat,
     ChatOptions,
@@ -30,6 +31,8 @@ from specdec_cli.models.chat import (
     conversation,
     own_chat_tokens,
     render,
+    with_markers,
+    with_media_markers,
 )
 
 NO_PROJECTOR = "this model takes no images or audio: add --mmproj (the model's mmproj-*.gguf file)"
@@ -87,6 +90,21 @@ class Engine(LoadedModels):
             self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
         return tokens
 
+    def prompt(
+        self, text: str | None, chat: ChatOptions | None = None, media: Sequence[Media] = ()
+    ) -> MediaPrompt:
+        """The prompt as a generation takes it: its tokens (see tokenize), and with `media`
+        its media too, each where the text holds a marker (<__media__>), else all before
+        the text (of the last user message, in a chat), as llama.cpp's mtmd-cli places
+        them. The caller closes it."""
+        if not media:
+            return MediaPrompt(self.tokenize(text, chat))
+        if chat is not None:
+            messages = with_media_markers(conversation(text, chat), len(media), MARKER)
+            return self.media_prompt(self.chat_text(messages, chat.format), media)
+        assert text is not None
+        return self.media_prompt(with_markers(text, len(media), MARKER), media)
+
     def check_prompt(self, prompt: list[int]) -> None:
         """Raise UserError for a prompt no slot can generate from (see decode.check_prompt)."""
         check_prompt(prompt, self.slots[0].n_ctx)
@@ -131,7 +149,7 @@ class Engine(LoadedModels):
             # handed to it yet (mtmd.Projector.decode's on_batch is where they would be).
             raise UserError(HEADS_WITH_MEDIA)
         prompt = self.encodings.projector.tokenize(text, media)
-        return MediaPrompt(prompt, self.encodings)
+        return MediaPrompt.of_chunks(prompt, self.encodings)
 
     def pieces(
         self,

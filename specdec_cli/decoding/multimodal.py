@@ -85,26 +85,38 @@ class MediaChunk:
 
 
 class MediaPrompt:
-    """A prompt tokenized with its media: `tokens` (each media chunk's cells as its
-    placeholder) and `media` (each placeholder's chunk). It owns libmtmd's chunks: close
-    it once its generation is done."""
+    """A prompt as a generation takes it: `tokens` (each media chunk's cells as its
+    placeholder) and `media` (each placeholder's chunk; none for text alone). Made of
+    libmtmd's chunks (of_chunks), it owns them: close it once its generation is done."""
 
-    def __init__(self, prompt: Prompt, encodings: Encodings) -> None:
-        self._prompt = prompt
-        self.tokens: list[int] = []
-        self.media: dict[int, MediaChunk] = {}
+    def __init__(
+        self,
+        tokens: list[int],
+        media: dict[int, MediaChunk] | None = None,
+        chunks: Prompt | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.media = media or {}
+        self._chunks = chunks
+
+    @classmethod
+    def of_chunks(cls, prompt: Prompt, encodings: Encodings) -> MediaPrompt:
+        tokens: list[int] = []
+        media: dict[int, MediaChunk] = {}
         for chunk in prompt.chunks:
             if chunk.kind == "text":
-                self.tokens += chunk.tokens
+                tokens += chunk.tokens
                 continue
             if chunk.id is None:
                 raise RuntimeError(f"libmtmd gave {chunk.kind} without an id")
             mark = placeholder(chunk.id)
-            self.media[mark] = MediaChunk(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos)
-            self.tokens += [mark] * chunk.n_tokens
+            media[mark] = MediaChunk(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos)
+            tokens += [mark] * chunk.n_tokens
+        return cls(tokens, media, prompt)
 
     def close(self) -> None:
-        self._prompt.close()
+        if self._chunks is not None:
+            self._chunks.close()
 
     def __enter__(self) -> MediaPrompt:
         return self

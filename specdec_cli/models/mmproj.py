@@ -7,10 +7,12 @@ aborted); a projector made for another model is the common mistake, so it is nam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.media import Media, not_taken
 from specdec_cli.models.gguf_meta import GGUFFile, read_gguf
 
 # The tensor, and which of its ggml dimensions, that holds the width of the embeddings each
@@ -81,3 +83,12 @@ def check_projector(projector: ProjectorInfo, target: GGUFFile) -> None:
         f"{target.path.name} reads {wanted}: it was made for another model; pass the "
         f"mmproj file that came with {target.path.name}"
     )
+
+
+def check_media(projector: ProjectorInfo, media: Sequence[Media]) -> None:
+    """A UserError for the first of `media` the projector cannot take (audio for one that
+    takes images only, or the other way), from its header: before anything loads."""
+    for item in media:
+        refusal = not_taken(item, projector.path.name, projector.vision, projector.audio)
+        if refusal:
+            raise UserError(refusal)
