@@ -589,6 +589,7 @@ def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path 
 @app.command()
 @takes_engine_flags
 @takes_chat_flags
+@takes_projector_flags
 def serve(
     model: ModelOpt,
     draft: DraftsOpt = None,
@@ -700,6 +701,7 @@ def serve(
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
+    projector_flags: FlagValues,  # --mmproj, --no-mmproj: see takes_projector_flags
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -721,7 +723,14 @@ def serve(
             "pip install 'specdec-cli[server]'"
         ) from None
     options, _ = engine_options(
-        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+        model,
+        draft or [],
+        config,
+        k=k,
+        tree=tree,
+        **shared_options(locals()),
+        **projector_flags,
+        find_mmproj=True,
     )
     for message in ignored_options(options, k):
         warn(message)
