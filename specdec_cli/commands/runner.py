@@ -118,16 +118,7 @@ def _generate_one(
 
     try:
         with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-            pieces_out = engine.pieces(
-                prompt.tokens,
-                generation.n_predict,
-                rng,
-                stats,
-                stop,
-                logprobs=output.logprobs,
-                media=prompt.media,
-            )
-            for piece in pieces_out:
+            for piece in _pieces(engine, prompt, generation, rng, stats, stop, output):
                 pieces.append(piece)
                 if piece.text:
                     display.text(piece.text, drafted=piece.drafted)
@@ -136,6 +127,27 @@ def _generate_one(
     finish()
     if stats.stop_reason == "interrupted":
         raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def _pieces(
+    engine: Engine,
+    prompt: MediaPrompt,
+    generation: GenerationOptions,
+    rng: np.random.Generator,
+    stats: Stats,
+    stop: tuple[str, ...],
+    output: Output,
+) -> Iterator[Piece]:
+    """The generation's pieces (see Engine.pieces), as run's options ask."""
+    return engine.pieces(
+        prompt.tokens,
+        generation.n_predict,
+        rng,
+        stats,
+        stop,
+        logprobs=output.logprobs,
+        media=prompt.media,
+    )
 
 
 def _ends_on_lost_worker(
@@ -187,16 +199,7 @@ def _generate_line(
     rng = np.random.default_rng(seed)
     try:
         with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-            pieces_out = engine.pieces(
-                prompt.tokens,
-                generation.n_predict,
-                rng,
-                stats,
-                stop,
-                logprobs=output.logprobs,
-                media=prompt.media,
-            )
-            for piece in pieces_out:
+            for piece in _pieces(engine, prompt, generation, rng, stats, stop, output):
                 pieces.append(piece)  # one by one: a lost worker shows what came
     except KeyboardInterrupt:
         raise typer.Exit(interrupt.EXIT_CODE) from None
