@@ -139,3 +139,22 @@ def test_a_file_too_large_is_refused(llava: VisionPair, tmp_path: Path) -> None:
 )
 def test_projector_flags_are_checked(llava: VisionPair, args: list[str], says: str) -> None:
     assert_user_error(run_with(llava, *args, "--image", picture(llava, "red")), says)
+
+
+def test_info_describes_a_projector(llava: VisionPair) -> None:
+    result = specdec("info", str(llava.mmproj), "--json")
+    assert result.returncode == 0, result.stderr
+    facts = json.loads(result.stdout)
+    assert (facts["projector_type"], facts["vision"], facts["audio"]) == ("mlp", True, False)
+    assert facts["embedding_width"] == llava.dims.n_embd
+
+
+def test_check_says_whether_a_projector_fits_the_target(llava: VisionPair, tmp_path: Path) -> None:
+    fits = specdec("check", "-m", str(llava.target), "--mmproj", str(llava.mmproj))
+    assert fits.returncode == 0 and "result:    compatible" in fits.stdout
+    assert "takes:     images (mlp)" in fits.stdout
+    wider = replace(llava.dims, n_embd=llava.dims.n_embd + 64)
+    other, *_ = write_mlp_projector(tmp_path / "mmproj-other.gguf", wider)
+    unfit = specdec("check", "-m", str(llava.target), "--mmproj", str(other), "--json")
+    assert unfit.returncode == 1
+    assert "made for another model" in json.loads(unfit.stdout)["problem"]

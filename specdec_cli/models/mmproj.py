@@ -42,7 +42,12 @@ class ProjectorInfo:
 
 def read_projector(path: Path) -> ProjectorInfo:
     """A projector file's header; a GGUF that is not a projector is a UserError."""
-    gguf = read_gguf(path)
+    return projector_of(read_gguf(path))
+
+
+def projector_of(gguf: GGUFFile) -> ProjectorInfo:
+    """A read header's projector facts (see read_projector)."""
+    path = gguf.path
     if gguf.architecture != "clip":
         raise UserError(
             f"{path} is not a multimodal projector (its architecture is {gguf.architecture}); "
@@ -72,13 +77,22 @@ def _width(gguf: GGUFFile, kind: str) -> int | None:
 
 
 def check_projector(projector: ProjectorInfo, target: GGUFFile) -> None:
-    """A UserError if the projector writes embeddings the target cannot read. Qwen3-VL's
-    deepstack layers widen both by the same factor (llama.cpp's n_embd_inp): the main
-    path's width is compared, with the target's embedding length."""
+    """A UserError if the projector writes embeddings the target cannot read (see
+    projector_problem)."""
+    problem = projector_problem(projector, target)
+    if problem:
+        raise UserError(problem)
+
+
+def projector_problem(projector: ProjectorInfo, target: GGUFFile) -> str | None:
+    """Why the target cannot read the projector's embeddings; None where it can, or where
+    the projector's width is not known here. Qwen3-VL's deepstack layers widen both by the
+    same factor (llama.cpp's n_embd_inp): the main path's width is compared, with the
+    target's embedding length."""
     wanted = target.embedding_length
     if projector.n_embd is None or wanted is None or projector.n_embd == wanted:
-        return
-    raise UserError(
+        return None
+    return (
         f"the projector {projector.path.name} writes embeddings {projector.n_embd} wide, but "
         f"{target.path.name} reads {wanted}: it was made for another model; pass the "
         f"mmproj file that came with {target.path.name}"
@@ -92,3 +106,9 @@ def check_media(projector: ProjectorInfo, media: Sequence[Media]) -> None:
         refusal = not_taken(item, projector.path.name, projector.vision, projector.audio)
         if refusal:
             raise UserError(refusal)
+
+
+def takes(vision: bool, audio: bool) -> str:
+    """What a projector takes, in words."""
+    kinds = [kind for kind, yes in (("images", vision), ("audio", audio)) if yes]
+    return " and ".join(kinds) or "nothing"
