@@ -412,3 +412,16 @@ def test_images_with_a_drafting_head_are_refused(tmp_path: Path) -> None:
         assert str(err.value) == HEADS_WITH_MEDIA
         with engine.media_prompt(MARKER + QUESTION, [image("red")], drafts=False) as prompt:
             assert len(prompt.media) == 1
+
+
+def test_a_draft_of_another_vocabulary(pair: VisionPair, stories260k: Path) -> None:
+    """stories260K's drafts, translated into the target's tokens by their text (the draft
+    reads the prompt's text without the image): the target's own answer."""
+    with Engine(engine_options(pair, draft=stories260k)) as engine:
+        assert engine.translation is not None
+        with prompt_for(engine, ["red"]) as prompt:
+            alone, alone_logprobs, _ = generate(engine, prompt)
+            tokens, logprobs, stats = generate(engine, prompt, "model", "3")
+    assert tokens == alone == pair.greedy("red", N)
+    np.testing.assert_allclose(logprobs, alone_logprobs, atol=1e-4)
+    assert stats.drafted > 0
