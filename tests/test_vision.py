@@ -33,7 +33,7 @@ from specdec_cli.decoding.decode import Round, step
 from specdec_cli.decoding.engine import HEADS_WITH_MEDIA, NO_PROJECTOR, Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
-from specdec_cli.decoding.multimodal import MediaPrompt
+from specdec_cli.decoding.multimodal import Encodings, MediaPrompt
 from specdec_cli.decoding.pieces import PieceStream
 from specdec_cli.decoding.promptcache import PromptCache
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams
@@ -425,3 +425,16 @@ def test_a_draft_of_another_vocabulary(pair: VisionPair, stories260k: Path) -> N
     assert tokens == alone == pair.greedy("red", N)
     np.testing.assert_allclose(logprobs, alone_logprobs, atol=1e-4)
     assert stats.drafted > 0
+
+
+def test_encodings_keep_to_their_budget(engine: Engine, pair: VisionPair) -> None:
+    """Embeddings are kept by the image's hash, the least recently used dropped past the
+    budget (here one image's): an image dropped is encoded again when it comes back."""
+    assert engine.encodings is not None
+    with prompt_for(engine, ["red"]) as red, prompt_for(engine, ["blue"]) as blue:
+        chunks = [next(iter(p.media.values())).chunk for p in (red, blue)]
+        one_image = engine.encodings.embeddings(chunks[0]).nbytes
+        encodings = Encodings(engine.encodings.projector, max_bytes=one_image)
+        for chunk in (chunks[0], chunks[0], chunks[1], chunks[1], chunks[0]):
+            encodings.embeddings(chunk)
+    assert encodings.encoded == 3

@@ -456,8 +456,8 @@ class Generation:
         # The prompt's media, where each starts, and the end of the last (see stage_prompt)
         self.media = media or {}
         self._media_starts = media_starts(prompt, self.media) if media else []
-        last = self._media_starts[-1] if media else 0
-        self._media_end = last + self.media[prompt[last]].n_tokens if media else 0
+        ends = (start + self.media[prompt[start]].n_tokens for start in self._media_starts)
+        self._media_end = max(ends, default=0)
         # What drafters see: the text alone (see multimodal.py); the tokens themselves
         # for a prompt without media.
         self._text_prompt = text_tokens(prompt) if media else prompt
