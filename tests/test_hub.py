@@ -20,7 +20,7 @@ from huggingface_hub.utils import httpx as hub_http  # httpx2 in huggingface-hub
 from huggingface_hub.utils._http import default_client_factory, hf_request_event_hook
 
 from specdec_cli.errors import UserError
-from specdec_cli.models.hub import fetch_gguf, is_hub_ref
+from specdec_cli.models.hub import fetch_gguf, fetch_mmproj, is_hub_ref
 
 COMMIT = "3f2a1c0e9b8d7c6a5f4e3d2c1b0a99887766554f"
 GGUF_HEADER = b"GGUF" + (3).to_bytes(4, "little") + bytes(16)  # v3, no tensors, no metadata
@@ -186,6 +186,18 @@ def test_bare_repo_takes_q4_k_m_or_the_only_gguf(offline_cache: Path) -> None:
     add_to_cache(offline_cache, "owner/two", ["m-Q8_0.gguf", "m-Q6_K.gguf"])
     message = error_of("owner/two")
     assert "matches the default Q4_K_M" in message and "m-Q6_K.gguf, m-Q8_0.gguf" in message
+
+
+def test_the_projector_beside_the_model(offline_cache: Path) -> None:
+    """A model's mmproj*.gguf, as llama-server's -hf finds it: the one in its folder; of
+    several, the one of the model's quant, else F16; none where the folder has none."""
+    names = ["m-Q4_K_M.gguf", "m-Q8_0.gguf", "mmproj-m-BF16.gguf", "mmproj-m-F16.gguf"]
+    names += ["mmproj-m-Q8_0.gguf", "sub/x-Q5_K_M.gguf", "sub/mmproj-x.gguf", "other/y.gguf"]
+    snapshot = add_to_cache(offline_cache, "owner/vision", names)
+    assert fetch_mmproj("owner/vision") == snapshot / "mmproj-m-F16.gguf"
+    assert fetch_mmproj("owner/vision:Q8_0") == snapshot / "mmproj-m-Q8_0.gguf"
+    assert fetch_mmproj("hf://owner/vision/sub/x-Q5_K_M.gguf") == snapshot / "sub/mmproj-x.gguf"
+    assert fetch_mmproj("hf://owner/vision/other/y.gguf") is None
 
 
 def test_split_model_returns_the_first_part_next_to_the_others(offline_cache: Path) -> None:

@@ -272,4 +272,4 @@ def test_check_bad_input_exits_2(
     assert (code, out) == (2, "")
     assert str(missing) in err
     code, _, err = run_cli(["check", "-m", str(target_model)], monkeypatch, capsys)
-    assert code == 2 and "Missing option" in err
+    assert code == 2 and "check takes a draft (-d DRAFT) or a projector (--mmproj FILE)" in err

@@ -487,6 +487,18 @@ def test_malformed_requests_get_4xx_and_the_server_goes_on(http: httpx.Client) -
     assert http.post("/v1/completions", json=body).status_code == 200
 
 
+def test_an_image_to_a_server_without_a_projector(http: httpx.Client) -> None:
+    """A 400 naming the part (test_serve_vision has a server that takes images)."""
+    url = "data:image/gif;base64," + base64.b64encode(b"GIF89a\x10\x00\x10\x00").decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]}
+    response = http.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "messages[0].content[1]"
+    assert "takes no images or audio (it was started without --mmproj)" in error["message"]
+
+
 def test_huge_max_tokens_stops_at_the_context(http: httpx.Client) -> None:
     body = {"prompt": "story " * 44, "max_tokens": 10**30, "temperature": 0}  # ~220 tokens
     out = http.post("/v1/completions", json=body).json()

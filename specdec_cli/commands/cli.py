@@ -67,11 +67,13 @@ from specdec_cli.commands.options import (
     split_drafts,
     takes_chat_flags,
     takes_engine_flags,
+    takes_projector_flags,
     temp_option,
 )
-from specdec_cli.commands.prompts import read_prompt, read_prompts
+from specdec_cli.commands.prompts import read_media_files, read_prompt, read_prompts
 from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
 from specdec_cli.commands.workload import Workload, choose_workload
+from specdec_cli.decoding.engine import NO_PROJECTOR
 from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
@@ -86,7 +88,9 @@ from specdec_cli.llamacpp.llama import Model, init_backend
 from specdec_cli.messages import warn
 from specdec_cli.models.chat import ChatFormat, chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
+from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.heads import HEAD_FILES
+from specdec_cli.models.mmproj import check_media, read_projector
 from specdec_cli.models.resolve import HEAD
 from specdec_cli.serve.api import ServeOptions
 
@@ -150,6 +154,7 @@ def _main_options(
 @app.command()
 @takes_engine_flags
 @takes_chat_flags
+@takes_projector_flags
 def run(
     model: Annotated[
         str | None,
@@ -235,6 +240,25 @@ def run(
             "ends with an assistant message, the reply continues it.",
         ),
     ] = None,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            metavar="FILE",
+            help="An image (PNG, JPEG, GIF or BMP) the prompt asks about; repeatable. It "
+            "goes where the prompt says <__media__>, else before the prompt's text (with "
+            "--chat, of the user's turn), as llama-mtmd-cli puts it. Needs --mmproj.",
+        ),
+    ] = None,
+    audio: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--audio",
+            metavar="FILE",
+            help="An audio clip (WAV, MP3 or FLAC), as --image, after the images; for a "
+            "projector that takes audio.",
+        ),
+    ] = None,
     verbose_prompt: VerbosePromptOpt = False,
     temp: temp_option(SamplingParams.temp) = None,
     top_k: TopKOpt = None,
@@ -259,6 +283,7 @@ def run(
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
+    projector_flags: FlagValues,  # --mmproj, --no-mmproj: see takes_projector_flags
     as_json: Annotated[
         bool,
         typer.Option(
@@ -324,6 +349,7 @@ def run(
       specdec run -m target.gguf -d draft.gguf -k 5 -p "Once upon a time" -n 256
       echo "Write a haiku" | specdec run -m target.gguf -d draft.gguf --chat --json
       specdec run -m target.gguf -d ngram -f rewrite-this-code.txt --temp 0
+      specdec run -m target.gguf --mmproj mmproj.gguf --image pic.png -p "Describe it" --chat
     """
     if list_pairs:
         print("\n".join(pair_lines(load_config(config))))
@@ -333,10 +359,22 @@ def run(
     # The input first: a typo there must not wait for models to load (or download).
     chat_opts = chat_options(chat, system, messages, prompt, chat_format(**chat_flags))
     texts = read_prompts(prompts) if prompts else {0: read_prompt(prompt, file, messages)}
+    media = read_media_files(image or [], audio or [])
     constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     options, defaults = engine_options(
-        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+        model,
+        draft or [],
+        config,
+        k=k,
+        tree=tree,
+        **shared_options(locals()),
+        **projector_flags,
+        find_mmproj=bool(media),
     )
+    if media:  # refused from the headers, before anything loads
+        if options.mmproj is None:
+            raise UserError(NO_PROJECTOR)
+        check_media(read_projector(options.mmproj), media)
     options = replace(options, grammar=constraint)
     generation = generation_options(n_predict, seed, defaults)
     token_logprobs = logprob_options(logprobs, post_sampling_probs)
@@ -353,7 +391,7 @@ def run(
         prompt=verbose_prompt,
         logprobs=token_logprobs,
     )
-    generate(options, texts, generation, tuple(stop or ()), chat_opts, output)
+    generate(options, texts, generation, tuple(stop or ()), chat_opts, output, media)
 
 
 @app.command()
@@ -608,6 +646,7 @@ def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path 
 @app.command()
 @takes_engine_flags
 @takes_chat_flags
+@takes_projector_flags
 def serve(
     model: ModelOpt,
     draft: DraftsOpt = None,
@@ -719,6 +758,7 @@ def serve(
     *,
     engine_flags: EngineFlags,  # -c, -b, -t, -ngl, -fa, ...: see takes_engine_flags
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: see takes_chat_flags
+    projector_flags: FlagValues,  # --mmproj, --no-mmproj: see takes_projector_flags
     config: ConfigOpt = None,
     verbose: VerboseOpt = False,
 ) -> None:
@@ -740,7 +780,14 @@ def serve(
             "pip install 'specdec-cli[server]'"
         ) from None
     options, _ = engine_options(
-        model, draft or [], config, k=k, tree=tree, **shared_options(locals())
+        model,
+        draft or [],
+        config,
+        k=k,
+        tree=tree,
+        **shared_options(locals()),
+        **projector_flags,
+        find_mmproj=True,
     )
     for message in ignored_options(options, k):
         warn(message)
@@ -846,8 +893,9 @@ def info(
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
-    """Show what a GGUF model is: architecture, size, vocabulary, quantisation.
-    Without a model: the llama.cpp build (its backends, GPU offload, devices) and this
+    """Show what a GGUF model is: architecture, size, vocabulary, quantisation; or a
+    multimodal projector (an mmproj file): its type, what it takes, its width. Without a
+    model: the llama.cpp build (its backends, GPU offload, devices) and this
     machine (cores, where the cache and the config live).
 
     Reads the file's header, and its vocabulary through llama.cpp (no weights), so it is
@@ -860,8 +908,11 @@ def info(
     if model is None:
         modelinfo.print_build(modelinfo.describe_build(), as_json=as_json)
         return
-    facts = modelinfo.describe(modelinfo.load_model(model, config, need_vocab=False))
-    modelinfo.print_info(facts, as_json=as_json)
+    loaded = modelinfo.load_model(model, config, need_vocab=False)
+    if loaded.file.architecture == "clip":
+        modelinfo.print_info(modelinfo.describe_projector(loaded.file), as_json=as_json)
+        return
+    modelinfo.print_info(modelinfo.describe(loaded), as_json=as_json)
 
 
 @app.command()
@@ -873,7 +924,7 @@ def check(
         ),
     ],
     draft: Annotated[
-        str,
+        str | None,
         typer.Option(
             "-d",
             "-md",
@@ -881,22 +932,44 @@ def check(
             help="The draft model that would propose tokens for it, or 'mtp' for the "
             "target's own MTP head.",
         ),
-    ],
+    ] = None,
+    mmproj: Annotated[
+        str | None,
+        typer.Option(
+            "-mm",
+            "--mmproj",
+            metavar="FILE",
+            help="Instead of a draft: a multimodal projector, whether the target takes its "
+            "images or audio.",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     config: ConfigOpt = None,
 ) -> None:
     """Check that a draft model can serve a target, and how: through the target's own
-    vocabulary, or with its drafts translated (another tokenizer).
+    vocabulary, or with its drafts translated (another tokenizer). Or, with --mmproj,
+    that a multimodal projector was made for the target (its width), and what it takes.
 
     Prints every reason they cannot, and why drafts would be translated. Exit code 0 if
     they can be paired, 1 if not.
 
-    Example: specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
+    \b
+    Examples:
+      specdec check -m qwen2.5-7b-q4_k_m.gguf -d qwen2.5-0.5b-q8_0.gguf
+      specdec check -m qwen2.5-vl-7b-q4_k_m.gguf --mmproj mmproj-qwen2.5-vl-7b-f16.gguf
     """
     from specdec_cli.commands import modelinfo
     from specdec_cli.models.compat import check_pair
 
+    if (draft is None) == (mmproj is None):
+        raise UserError("check takes a draft (-d DRAFT) or a projector (--mmproj FILE), one")
     target_model = modelinfo.load_model(model, config)
+    if mmproj is not None:
+        projector = read_gguf(Path(mmproj))
+        if not modelinfo.print_projector_check(target_model, projector, as_json=as_json):
+            raise typer.Exit(1)
+        return
+    assert draft is not None
     if draft.lower() == HEAD:
         if not modelinfo.print_head_check(target_model, as_json=as_json):
             raise typer.Exit(1)

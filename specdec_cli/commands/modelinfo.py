@@ -1,5 +1,6 @@
-"""The `specdec info` and `specdec check` commands: describe a model (or, with none, the
-llama.cpp build and the machine), vet a draft/target pair."""
+"""The `specdec info` and `specdec check` commands: describe a model or a multimodal
+projector (or, with none, the llama.cpp build and the machine), vet a draft/target pair or
+a projector for a target."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.models.config import load_config
 from specdec_cli.models.gguf_meta import GGUFFile
 from specdec_cli.models.heads import describe_head, head_file_problem, head_summary
+from specdec_cli.models.mmproj import projector_of, projector_problem, takes
 from specdec_cli.models.resolve import locate_model
 
 
@@ -75,6 +77,36 @@ def describe(facts: ModelFacts) -> dict[str, object]:
         "split_count": model.split_count,
         "drafting_head": describe_head(model),
     }
+
+
+def describe_projector(file: GGUFFile) -> dict[str, object]:
+    """The facts `specdec info` shows of a multimodal projector (an mmproj file)."""
+    projector = projector_of(file)
+    return {
+        "file": str(file.path),
+        "architecture": file.architecture,
+        "projector_type": projector.projector_type,
+        "vision": projector.vision,
+        "audio": projector.audio,
+        "embedding_width": projector.n_embd,
+        "parameters": file.n_params,
+        "quantization": file.quantization,
+        "file_size": file.file_size,
+    }
+
+
+def _projector_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
+    width = facts["embedding_width"]
+    written = f"{width} wide (the target's embedding width)" if width else "unknown"
+    return [
+        ("file", str(facts["file"])),
+        ("multimodal projector", str(facts["projector_type"])),
+        ("takes", takes(bool(facts["vision"]), bool(facts["audio"]))),
+        ("embeddings written", written),
+        ("parameters", human_count(facts["parameters"])),  # type: ignore[arg-type]
+        ("quantization", str(facts["quantization"])),
+        ("file size", human_bytes(facts["file_size"])),  # type: ignore[arg-type]
+    ]
 
 
 def _token_text(token: dict[str, object] | None) -> str:
@@ -166,8 +198,27 @@ def _build_rows(facts: dict[str, object]) -> list[tuple[str, str]]:
 
 
 def print_info(facts: dict[str, object], *, as_json: bool) -> None:
-    """A model's facts (describe)."""
-    _print_facts(facts, _info_rows, as_json)
+    """A model's facts (describe), or a projector's (describe_projector)."""
+    rows = _projector_rows if "projector_type" in facts else _info_rows
+    _print_facts(facts, rows, as_json)
+
+
+def print_projector_check(target: ModelFacts, projector: GGUFFile, *, as_json: bool) -> bool:
+    """`specdec check --mmproj FILE`: whether the target reads the embeddings the projector
+    writes, and what it takes. Returns whether it can."""
+    info = projector_of(projector)
+    problem = projector_problem(info, target.file)
+    if as_json:
+        facts = {"target": str(target.path), **describe_projector(projector)}
+        print(json.dumps(facts | {"problem": problem}))
+        return problem is None
+    print(f"target:    {target.path}")
+    print(f"projector: {projector.path}")
+    print(f"result:    {'NOT compatible' if problem else 'compatible'}")
+    print(f"takes:     {takes(info.vision, info.audio)} ({info.projector_type})")
+    if problem:
+        print(f"problem:   {problem}")
+    return problem is None
 
 
 def print_build(facts: dict[str, object], *, as_json: bool) -> None:

@@ -36,7 +36,7 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.messages import note
-from specdec_cli.models.config import ModelSpec, PairSpec, load_config
+from specdec_cli.models.config import Config, ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.heads import head_problem
 from specdec_cli.models.resolve import (
@@ -47,6 +47,7 @@ from specdec_cli.models.resolve import (
     default_pair,
     locate_draft,
     locate_model,
+    locate_projector,
 )
 
 
@@ -485,6 +486,20 @@ ConfigOpt = Annotated[
         ),
     ),
 ]
+MmprojOpt = Annotated[
+    str | None,
+    typer.Option(
+        "-mm",
+        "--mmproj",
+        metavar="FILE",
+        help="The target's multimodal projector (its mmproj-*.gguf file), for images and "
+        "audio. With a Hub reference for -m, the one beside the model is found.",
+        show_default=False,
+    ),
+]
+NoMmprojOpt = Annotated[
+    bool, typer.Option("--no-mmproj", help="No projector, even where the Hub repo has one.")
+]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
@@ -558,6 +573,9 @@ CHAT_FLAGS = {
     "chat_template_kwargs": ChatTemplateKwargsOpt,
 }
 takes_chat_flags = flag_group("chat_flags", CHAT_FLAGS, {"jinja": True})
+# The projector: for every command that takes images or audio (run, serve)
+PROJECTOR_FLAGS = {"mmproj": MmprojOpt, "no_mmproj": NoMmprojOpt}
+takes_projector_flags = flag_group("projector_flags", PROJECTOR_FLAGS, {"no_mmproj": False})
 
 
 def engine_options(
@@ -591,9 +609,14 @@ def engine_options(
     ngram_min: int | None,
     ngram_max: int | None,
     verbose: bool,
+    mmproj: str | None = None,
+    no_mmproj: bool = False,
+    find_mmproj: bool = False,
 ) -> tuple[EngineOptions, dict[str, int]]:
     """Turn the shared options (and the config file's defaults) into EngineOptions: what
     the command line gives, else what the config gives, else the dataclasses' defaults.
+    `find_mmproj`: with neither --mmproj nor --no-mmproj, the projector beside a Hub
+    model (see projector_path).
 
     Without a model, the built-in default pair (downloaded on first use).
     Returns the options and the pair's remaining defaults (seed, n_predict)."""
@@ -641,6 +664,8 @@ def engine_options(
     try:
         target = locate_model(target_spec.path, config)
         draft_path = locate_draft(draft, config) if draft else None
+        find = target_spec.path if find_mmproj else None
+        projector = projector_path(mmproj, no_mmproj, find, config)
     except UserError as err:
         if model:
             raise
@@ -648,6 +673,7 @@ def engine_options(
     options = EngineOptions(
         target=target,
         draft=draft_path,
+        mmproj=projector,
         head=head,
         ngram=ngram,
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),
@@ -669,6 +695,23 @@ def engine_options(
         ),
     )
     return options, {key: int(defaults[key]) for key in ("seed", "n_predict") if key in defaults}
+
+
+def projector_path(
+    mmproj: str | None, no_mmproj: bool, model: str | None, config: Config
+) -> Path | None:
+    """--mmproj's file; none with --no-mmproj; else, where `model` is given, the
+    projector beside it if it is a Hub reference (as llama-server's -hf finds one)."""
+    if mmproj is not None and no_mmproj:
+        raise UserError("--mmproj names a projector and --no-mmproj leaves it out; keep one")
+    if mmproj is not None:
+        path = Path(mmproj).expanduser()
+        if not path.is_file():
+            raise UserError(f"projector file not found: {mmproj}; check the path")
+        return path
+    if no_mmproj or model is None:
+        return None
+    return locate_projector(model, config)
 
 
 def _gpu_layers(value: str | None, flag: str, spec: ModelSpec | PairSpec | None) -> int | None:

@@ -1,4 +1,5 @@
-"""Where prompts come from: -p, -f, stdin, a --prompts file; text that is not UTF-8."""
+"""Where prompts come from: -p, -f, stdin, a --prompts file; text that is not UTF-8; the
+images and audio of --image and --audio."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import sys
 from pathlib import Path
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.media import Media, read_media
 from specdec_cli.messages import warn
 
 
@@ -64,3 +66,20 @@ def decode(data: bytes, origin: str) -> str:
             "to keep them)"
         )
         return data.decode("utf-8", errors="replace")
+
+
+def read_media_files(images: list[Path], audio: list[Path]) -> list[Media]:
+    """--image's and --audio's files, read and checked (see media.py), the images first.
+    A file of the other kind is refused: it was passed with the wrong flag."""
+    media = []
+    for kind, flag, paths in (("image", "--image", images), ("audio", "--audio", audio)):
+        for path in paths:
+            item = read_media(path)
+            if item.kind != kind:
+                other = "--audio" if kind == "image" else "--image"
+                raise UserError(
+                    f"{path} is not {'an image' if kind == 'image' else 'audio'} "
+                    f"({flag}); pass it with {other}"
+                )
+            media.append(item)
+    return media

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -17,11 +17,13 @@ from specdec_cli import interrupt
 from specdec_cli.commands.display import make_display
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob
+from specdec_cli.decoding.multimodal import MediaPrompt
 from specdec_cli.decoding.pieces import Piece
 from specdec_cli.decoding.settings import EngineOptions, GenerationOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.llamacpp.media import Media
 from specdec_cli.messages import note, warn
 from specdec_cli.models.chat import ChatOptions
 
@@ -46,13 +48,15 @@ def generate(
     stop: tuple[str, ...],
     chat: ChatOptions | None,
     output: Output,
+    media: Sequence[Media] = (),
 ) -> None:
-    """Load the models and generate from each prompt (keyed by its line number)."""
+    """Load the models and generate from each prompt (keyed by its line number), each
+    with `media` (images and audio, checked: see media.py)."""
     with loaded_engine(options, quiet=output.quiet) as engine:
         if output.json_lines:
-            _run_many(engine, texts, generation, stop, chat, output)
+            _run_many(engine, texts, generation, stop, chat, output, media)
         else:
-            _run_one(engine, texts[0], generation, stop, chat, output)
+            _run_one(engine, texts[0], generation, stop, chat, output, media)
 
 
 @contextmanager
@@ -88,9 +92,20 @@ def _run_one(
     stop: tuple[str, ...],
     chat: ChatOptions | None,
     output: Output,
+    media: Sequence[Media],
 ) -> None:
     """One generation: the text as it comes (or held for --json), then the stats."""
-    tokens = prompt_tokens(engine, text, chat, output)
+    with prompt_of(engine, text, chat, output, media) as prompt:
+        _generate_one(engine, prompt, generation, stop, output)
+
+
+def _generate_one(
+    engine: Engine,
+    prompt: MediaPrompt,
+    generation: GenerationOptions,
+    stop: tuple[str, ...],
+    output: Output,
+) -> None:
     stats = Stats(seed=None if engine.options.sampling.greedy else generation.seed)
     display = make_display(stats, output.as_json, output.quiet, output.color)
     pieces: list[Piece] = []
@@ -103,10 +118,7 @@ def _run_one(
 
     try:
         with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-            pieces_out = engine.pieces(
-                tokens, generation.n_predict, rng, stats, stop, logprobs=output.logprobs
-            )
-            for piece in pieces_out:
+            for piece in _pieces(engine, prompt, generation, rng, stats, stop, output):
                 pieces.append(piece)
                 if piece.text:
                     display.text(piece.text, drafted=piece.drafted)
@@ -115,6 +127,27 @@ def _run_one(
     finish()
     if stats.stop_reason == "interrupted":
         raise typer.Exit(interrupt.EXIT_CODE)
+
+
+def _pieces(
+    engine: Engine,
+    prompt: MediaPrompt,
+    generation: GenerationOptions,
+    rng: np.random.Generator,
+    stats: Stats,
+    stop: tuple[str, ...],
+    output: Output,
+) -> Iterator[Piece]:
+    """The generation's pieces (see Engine.pieces), as run's options ask."""
+    return engine.pieces(
+        prompt.tokens,
+        generation.n_predict,
+        rng,
+        stats,
+        stop,
+        logprobs=output.logprobs,
+        media=prompt.media,
+    )
 
 
 def _ends_on_lost_worker(
@@ -138,40 +171,57 @@ def _run_many(
     stop: tuple[str, ...],
     chat: ChatOptions | None,
     output: Output,
+    media: Sequence[Media],
 ) -> None:
     """One JSON line per prompt, each with a seed of its own derived from --seed."""
     for line, text in texts.items():
-        seed = line_seed(generation.seed, line)
-        tokens = prompt_tokens(engine, text, chat, output)
-        stats, pieces = Stats(), []
-
-        def finish(line=line, text=text, seed=seed, stats=stats, pieces=pieces) -> None:
-            record = _record(engine, pieces, seed, stats, output)
-            print(json.dumps({"index": line, "prompt": text} | record), flush=True)
-
-        rng = np.random.default_rng(seed)
-        try:
-            with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
-                pieces_out = engine.pieces(
-                    tokens, generation.n_predict, rng, stats, stop, logprobs=output.logprobs
-                )
-                for piece in pieces_out:
-                    pieces.append(piece)  # one by one: a lost worker shows what came
-        except KeyboardInterrupt:
-            raise typer.Exit(interrupt.EXIT_CODE) from None
-        finish()
+        with prompt_of(engine, text, chat, output, media) as prompt:
+            _generate_line(engine, line, text, prompt, generation, stop, output)
 
 
-def prompt_tokens(
-    engine: Engine, text: str | None, chat: ChatOptions | None, output: Output
-) -> list[int]:
-    """The prompt's tokens, checked (and shown, with --verbose-prompt) before a first
-    -k auto run's measuring: bad input is told at once, not after the wait."""
-    tokens = engine.tokenize(text, chat)
-    if output.prompt:
-        show_prompt(engine, tokens)
-    engine.check_prompt(tokens)
-    return tokens
+def _generate_line(
+    engine: Engine,
+    line: int,
+    text: str | None,
+    prompt: MediaPrompt,
+    generation: GenerationOptions,
+    stop: tuple[str, ...],
+    output: Output,
+) -> None:
+    """A --prompts line's generation, and its JSON line."""
+    seed = line_seed(generation.seed, line)
+    stats, pieces = Stats(), []
+
+    def finish() -> None:
+        record = _record(engine, pieces, seed, stats, output)
+        print(json.dumps({"index": line, "prompt": text} | record), flush=True)
+
+    rng = np.random.default_rng(seed)
+    try:
+        with interrupt.generating(), _ends_on_lost_worker(engine, stats, finish):
+            for piece in _pieces(engine, prompt, generation, rng, stats, stop, output):
+                pieces.append(piece)  # one by one: a lost worker shows what came
+    except KeyboardInterrupt:
+        raise typer.Exit(interrupt.EXIT_CODE) from None
+    finish()
+
+
+@contextmanager
+def prompt_of(
+    engine: Engine,
+    text: str | None,
+    chat: ChatOptions | None,
+    output: Output,
+    media: Sequence[Media],
+) -> Iterator[MediaPrompt]:
+    """The prompt with its media (see Engine.prompt), checked (and shown, with
+    --verbose-prompt) before a first -k auto run's measuring: bad input is told at once,
+    not after the wait."""
+    with engine.prompt(text, chat, media) as prompt:
+        if output.prompt:
+            show_prompt(engine, prompt.tokens)
+        engine.check_prompt(prompt.tokens)
+        yield prompt
 
 
 def show_prompt(engine: Engine, tokens: list[int]) -> None:

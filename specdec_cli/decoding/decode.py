@@ -12,6 +12,7 @@ every busy slot).
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TypeVar, cast
@@ -32,6 +33,7 @@ from specdec_cli.decoding.grammar import Constraint, Grammar, PathMasks
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.lookupthenmodel import LookupThenModel
 from specdec_cli.decoding.modeldrafter import ModelDrafter
+from specdec_cli.decoding.multimodal import media_starts, text_tokens
 from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.sampling import (
     Dist,
@@ -44,7 +46,7 @@ from specdec_cli.decoding.sampling import (
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.treeshape import TreePolicy
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Context
+from specdec_cli.llamacpp.llama import Context, MediaCells
 
 VERBATIM = NgramDrafter.VERBATIM_SOURCE
 FORCED = "grammar"  # a draft of the tokens a grammar forces (see Generation.drafting)
@@ -105,12 +107,12 @@ class Decoder:
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
         grammar: Grammar | None = None,
+        media: Mapping[int, MediaCells] | None = None,
     ) -> Generation:
         """A generation from `prompt`, its first `step` to come (see generate)."""
         grammar = grammar or self.grammar
-        return Generation(
-            self, prompt, n_predict, rng, stats, sampling or self.sampling, logprobs, grammar
-        )
+        sampling = sampling or self.sampling
+        return Generation(self, prompt, n_predict, rng, stats, sampling, logprobs, grammar, media)
 
     def generate(
         self,
@@ -121,6 +123,7 @@ class Decoder:
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
         grammar: Grammar | None = None,
+        media: Mapping[int, MediaCells] | None = None,
     ) -> Iterator[Round]:
         """Yield each round's new tokens until EOS, `n_predict` tokens or a full context
         (a negative `n_predict` sets no limit: until EOS or a full context, as llama.cpp's -n -1).
@@ -128,12 +131,14 @@ class Decoder:
         and the drafter alike, so that one decoder serves requests that sample differently.
         `logprobs`: what each round reports of its tokens' log-probabilities (None: nothing).
         `grammar`: the constraint the output follows (None: none; see grammar.py).
+        `media`: the images or audio whose placeholders the prompt holds (see
+        multimodal.py), by placeholder.
 
         `stats` is updated as it goes, so a caller that stops early (a stop string,
         Ctrl-C) still holds correct figures. The end-of-generation token is not yielded.
         This is `step` with one generation: the loop every slot of a server runs too.
         """
-        generation = self.start(prompt, n_predict, rng, stats, sampling, logprobs, grammar)
+        generation = self.start(prompt, n_predict, rng, stats, sampling, logprobs, grammar, media)
         try:
             while not generation.finished:
                 step([generation])
@@ -341,10 +346,11 @@ def _joining(readers: Sequence[Generation], budget: int) -> tuple[list[Generatio
     drafts nothing, so nothing is rejected: a recurrent state is never sent back into
     the prompt. A rejection-sampled generation does not join: its text depends on each
     round's draft, and its first round drafts where it runs alone or its prompt is
-    cached, so it reads its prompt first wherever it runs (a seed gives one text)."""
+    cached, so it reads its prompt first wherever it runs (a seed gives one text). Nor
+    does one with media still to read: media is decoded in calls of its own."""
     joining = []
     for g in readers:
-        if not g.sampling.draft_invariant:
+        if not g.sampling.draft_invariant or g.media_unread:
             continue
         target = g.decoder.target
         if g.unread > budget or g.unread + 1 > target.n_batch:
@@ -416,6 +422,10 @@ def check_prompt(prompt: list[int], n_ctx: int) -> None:
     """A prompt a slot of n_ctx cells can generate from, or one line saying why not."""
     if not prompt:
         raise UserError("the prompt is empty; give some text with -p, -f or stdin")
+    if prompt[-1] < 0:
+        raise UserError(
+            "the prompt ends with an image or audio; put text after it (a chat template does)"
+        )
     if len(prompt) >= n_ctx:
         raise UserError(
             f"the prompt is {len(prompt)} tokens but the context holds {n_ctx}; "
@@ -437,6 +447,7 @@ class Generation:
         sampling: SamplingParams,
         logprobs: LogprobOptions | None = None,
         grammar: Grammar | None = None,
+        media: Mapping[int, MediaCells] | None = None,
     ) -> None:
         target = decoder.target
         check_prompt(prompt, target.n_ctx)
@@ -449,6 +460,15 @@ class Generation:
         self.noise = Noise.draw(rng) if coupled else None
         self.n_predict = target.n_ctx if n_predict < 0 else n_predict  # the context fills first
         self.tokens = list(prompt)
+        # The prompt's media, where each starts, and the end of the last (see stage_prompt)
+        self.media = media or {}
+        self._media_starts = media_starts(prompt, self.media) if media else []
+        ends = (start + self.media[prompt[start]].n_tokens for start in self._media_starts)
+        self._media_end = max(ends, default=0)
+        # What drafters see: the text alone (see multimodal.py); the tokens themselves
+        # for a prompt without media.
+        self._text_prompt = text_tokens(prompt) if media else prompt
+        self.text = list(self._text_prompt) if media else self.tokens
         self.n_new = 0
         self.finished = False
         self.error: UserError | None = None  # why it ended early, its grammar's fault
@@ -478,11 +498,25 @@ class Generation:
     def reading(self) -> bool:
         return self.unread > 0
 
+    @property
+    def media_unread(self) -> bool:
+        """Whether media of the prompt is still to be read."""
+        return len(self.decoder.target.tokens) < self._media_end
+
     def stage_prompt(self, room: int) -> int:
-        """Stage the next chunk of the prompt, at most `room` tokens: how many it took."""
+        """Stage the next chunk of the prompt, at most `room` tokens: how many it took.
+        Where media comes next, it is decoded now instead, in calls of its own (its cells
+        counted against `room`); text stops before the next media."""
         target = self.decoder.target
         n = min(self.unread, room)
         start = len(target.tokens)
+        if n > 0 and start < self._media_end:
+            following = self._media_starts[bisect_left(self._media_starts, start)]
+            if following == start:
+                media = self.media[self.prompt[start]]
+                target.decode_media(media)
+                return min(n, media.n_tokens)
+            n = min(n, following - start)
         target.stage(self.prompt[start : start + n])
         return n
 
@@ -493,7 +527,7 @@ class Generation:
         that read its end): the drafter reads it too, and the clocks start."""
         decoder = self.decoder
         if decoder.drafter:
-            decoder.drafter.begin(self.prompt, self.sampling, self.noise)
+            decoder.drafter.begin(self._text_prompt, self.sampling, self.noise)
         for length in (decoder.length, *decoder.lengths.values()):
             length.begin(self.sampling.draft_invariant)
         if decoder.tree:
@@ -535,7 +569,7 @@ class Generation:
             self._begin()
         if not speculate and self._fits and not self._repeating():
             return Plan(self.decoder.length, None, 0, limit, unseen, True, chosen=False)
-        length, source, k = self.decoder.who_drafts(self.tokens, limit)
+        length, source, k = self.decoder.who_drafts(self.text, limit)
         return Plan(length, source, k, limit, unseen, self._fits)
 
     def drafting(self, plan: Plan) -> DraftSteps | None:
@@ -563,7 +597,7 @@ class Generation:
             model.constraint = constraint
         length = plan.length
         keep_drafting = length.keep_drafting if length.uses_confidence else None
-        request = DraftRequest(self.tokens, k, self.rng, keep_drafting, shape, plan.source)
+        request = DraftRequest(self.text, k, self.rng, keep_drafting, shape, plan.source)
         return decoder.drafter.drafting(request)
 
     def _forced(self, tokens: list[int]) -> DraftSteps:
@@ -598,7 +632,7 @@ class Generation:
         """Whether the text repeats itself verbatim (the lookup's first source): such
         drafts are taken nearly whole, and pay beside any batch, on any cost curve."""
         drafter = self.decoder.drafter
-        return drafter is not None and drafter.sources(self.tokens)[0] == VERBATIM
+        return drafter is not None and drafter.sources(self.text)[0] == VERBATIM
 
     def stage_round(self, plan: Plan, draft: Draft) -> None:
         """Stage the verification batch: the unseen tokens, then the draft."""
@@ -688,6 +722,8 @@ class Generation:
         n_batch = len(plan.unseen) - plan.prompt + len(draft.tokens)
         stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
         self.tokens += new
+        if self.text is not self.tokens:
+            self.text += new
         self.n_new += len(new)
         if plan.prompt:  # the call read the prompt's end: its time is the prompt's
             stats.with_prompt = len(new)

@@ -3,7 +3,7 @@ generations from text to pieces of text. `run`, `bench` and `serve` go through i
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import cached_property
 from typing import Any
 
@@ -13,12 +13,16 @@ from specdec_cli.decoding.decode import Decoder, check_prompt
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.loading import LoadedModels
 from specdec_cli.decoding.logprobs import LogprobOptions
+from specdec_cli.decoding.multimodal import MediaPrompt
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.policy import Policy
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import EngineOptions, drafter_kind
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.llama import MediaCells
+from specdec_cli.llamacpp.media import Media
+from specdec_cli.llamacpp.mtmd import MARKER
 from specdec_cli.models.chat import (
     ChatFormat,
     ChatOptions,
@@ -27,7 +31,12 @@ from specdec_cli.models.chat import (
     conversation,
     own_chat_tokens,
     render,
+    with_markers,
+    with_media_markers,
 )
+
+NO_PROJECTOR = "this model takes no images or audio: add --mmproj (the model's mmproj-*.gguf file)"
+HEADS_WITH_MEDIA = "images with drafting heads: not yet; use -d ngram or a draft model"
 
 
 class Engine(LoadedModels):
@@ -80,6 +89,21 @@ class Engine(LoadedModels):
             self.translation.remember(tokens, self.translation.draft.tokenize(prompt))
         return tokens
 
+    def prompt(
+        self, text: str | None, chat: ChatOptions | None = None, media: Sequence[Media] = ()
+    ) -> MediaPrompt:
+        """The prompt as a generation takes it: its tokens (see tokenize), and with `media`
+        its media too, each where the text holds a marker (<__media__>), else all before
+        the text (of the last user message, in a chat), as llama.cpp's mtmd-cli places
+        them. The caller closes it."""
+        if not media:
+            return MediaPrompt(self.tokenize(text, chat))
+        if chat is not None:
+            messages = with_media_markers(conversation(text, chat), len(media), MARKER)
+            return self.media_prompt(self.chat_text(messages, chat.format), media)
+        assert text is not None
+        return self.media_prompt(with_markers(text, len(media), MARKER), media)
+
     def check_prompt(self, prompt: list[int]) -> None:
         """Raise UserError for a prompt no slot can generate from (see decode.check_prompt)."""
         check_prompt(prompt, self.slots[0].n_ctx)
@@ -99,6 +123,33 @@ class Engine(LoadedModels):
             self.translation.remember(tokens, own_chat_tokens(draft, messages))
         return tokens
 
+    def chat_text(
+        self,
+        messages: list[Message],
+        format: ChatFormat | None = None,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """A conversation in the target's chat format, as text for media_prompt: without
+        the BOS a template may write, which tokenizing adds (as chat_tokens drops the
+        doubled one)."""
+        text = render(self.model, messages, format, tools)
+        if self.model.add_bos:
+            text = text.removeprefix(self.model.token_text(self.model.bos))
+        return text
+
+    def media_prompt(self, text: str, media: Sequence[Media], drafts: bool = True) -> MediaPrompt:
+        """`text` (a plain prompt, or chat_text's) with a media marker for each of `media`,
+        tokenized with them (see multimodal.py). `drafts`: the generation drafts as the
+        engine was loaded to (else it runs the target alone). The caller closes it."""
+        if self.encodings is None:
+            raise UserError(NO_PROJECTOR)
+        if drafts and self.head is not None:
+            # A head reads the target's hidden states, and those over media's cells are not
+            # handed to it yet (mtmd.Projector.decode's on_batch is where they would be).
+            raise UserError(HEADS_WITH_MEDIA)
+        prompt = self.encodings.projector.tokenize(text, media)
+        return MediaPrompt.of_chunks(prompt, self.encodings)
+
     def pieces(
         self,
         prompt: list[int],
@@ -110,15 +161,17 @@ class Engine(LoadedModels):
         sampling: SamplingParams | None = None,
         logprobs: LogprobOptions | None = None,
         grammar: Grammar | None = None,
+        media: Mapping[int, MediaCells] | None = None,
     ) -> Iterator[Piece]:
         """Yield one Piece per generated token, saying who proposed it, and a last one
         (token None) for text held back until the end. `sampling`: this generation's
         (None: the options'); `logprobs`: what the pieces carry of the tokens'
-        log-probabilities (None: nothing); `grammar`: what the output must follow."""
+        log-probabilities (None: nothing); `grammar`: what the output must follow;
+        `media`: the prompt's (see media_prompt)."""
         stream = PieceStream(self.model, stop)
         stats.flash_attn = self.flash_attn
         rounds = (decoder or self.decoder).generate(
-            prompt, n_predict, rng, stats, sampling, logprobs, grammar
+            prompt, n_predict, rng, stats, sampling, logprobs, grammar, media
         )
         try:
             for new in rounds:

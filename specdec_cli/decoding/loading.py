@@ -19,6 +19,7 @@ from specdec_cli.decoding.costmodel import (
 )
 from specdec_cli.decoding.flashattn import MIN_CALLS, FlashAttnRecord, Timings
 from specdec_cli.decoding.heads import drafter_for
+from specdec_cli.decoding.multimodal import Encodings
 from specdec_cli.decoding.settings import DEFAULT_MAX_CTX, EngineOptions, parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice
 from specdec_cli.decoding.translate import Translation
@@ -36,6 +37,7 @@ from specdec_cli.llamacpp.llama import (
     init_backend,
 )
 from specdec_cli.llamacpp.machine import physical_cores
+from specdec_cli.llamacpp.mtmd import Projector
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta
 from specdec_cli.models.gguf_meta import GGUFFile
@@ -52,6 +54,7 @@ from specdec_cli.models.heads import (
     sidecar_problem,
     target_layers,
 )
+from specdec_cli.models.mmproj import check_projector, read_projector
 
 # A translated draft's context holds this many times the target's: the same text can
 # take it more tokens (a 32k vocabulary's against a 262k one's); past that, no drafts.
@@ -154,6 +157,8 @@ class LoadedModels:
         head_class = head_of_file(target_file, draft_file)
         pairing = check_models(target_file, None if head_class else draft_file)
         check_slots(options)
+        if options.mmproj:  # a projector for another model, refused before anything loads
+            check_projector(read_projector(options.mmproj), target_file)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -168,7 +173,7 @@ class LoadedModels:
             head_class = mtp_head(target_file)
         target_params = replace(target_params, load_mtp=uses_head)
         draft_params = replace(_draft_params(options, repack), load_mtp=sidecar)
-        self._owned: list[Model | Context | HeadContext] = []
+        self._owned: list[Model | Context | HeadContext | Projector] = []
         self._flash_attn_records: dict[Path, FlashAttnRecord] = {}  # by model, for -fa auto
         self.model = self._own(Model(options.target, target_params))
         parallel = options.parallel
@@ -244,6 +249,14 @@ class LoadedModels:
         self.translation: Translation | None = None
         if draft_model and pairing.translated:
             self._translate_drafts(draft_model, pairing.differences[0])
+        # Images or audio: the projector, and the media it has encoded (see multimodal.py).
+        self.encodings: Encodings | None = None
+        if options.mmproj:
+            use_gpu = backend.supports_gpu_offload() and options.n_gpu_layers != 0
+            projector = Projector(
+                options.mmproj, self.model, threads, use_gpu, options.flash_attn, options.verbose
+            )
+            self.encodings = Encodings(self._own(projector))
 
     def _open_head(
         self,

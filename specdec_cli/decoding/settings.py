@@ -69,6 +69,8 @@ class EngineOptions:
     # What every generation's output follows (run and bench: --grammar, --json-schema);
     # None: nothing. A server's requests bring their own (see Decoder.start).
     grammar: Grammar | None = None
+    # The target's multimodal projector (--mmproj): images or audio in prompts; None: text only.
+    mmproj: Path | None = None
 
 
 def drafter_kind(model: bool, ngram: bool | None, head: str | None = None) -> str | None:

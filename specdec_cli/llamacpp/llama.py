@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import Protocol
 
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
@@ -265,6 +266,32 @@ class ContextParams:
     n_seq_max: int = 1
 
 
+class MediaCells(Protocol):
+    """An image or audio clip that a sequence holds as cells of its own (its embeddings:
+    see mtmd.py): `n_tokens` cells, each written in Context.tokens as `placeholder` (a
+    negative number, the same for the same media and no other), that advance positions
+    by `n_pos` (fewer than n_tokens under M-RoPE)."""
+
+    placeholder: int
+    n_tokens: int
+    n_pos: int
+
+    def decode(self, ctx: llama_cpp.llama_context_p, pos: int, seq: int, n_batch: int) -> int:
+        """Decode the cells into sequence `seq` of `ctx` from position `pos` on, n_batch
+        at most a call, no logits; returns the next position, pos + n_pos."""
+        ...
+
+
+@dataclass(frozen=True)
+class MediaRun:
+    """Media a sequence holds: its cells' places in Context.tokens, start to end, and
+    the positions it saves, n_tokens - n_pos (the text after it sits that much lower)."""
+
+    start: int
+    end: int
+    saved: int
+
+
 class Context:
     """One model's inference state for one sequence: the memory holds the accepted token
     sequence, and for one round at a time the branches of a draft tree.
@@ -290,6 +317,13 @@ class Context:
     generation running at once), each with its own sequences and an n-th of the cells.
     Each `stage`s its tokens into the one batch they share, and one `flush` decodes
     them all in one llama_decode: every slot's verification in one pass.
+
+    Media: `decode_media` puts an image's (or audio clip's) embeddings in the memory, as
+    cells written in `tokens` as its placeholder. Everything here counts places in
+    `tokens`; a token's position is its place less the positions the media before it
+    saved (MediaRun.saved: none but under M-RoPE). Text is only ever decoded after all
+    the media the memory holds, and the memory is only cut at the edges of media: a
+    rewind into an image drops all of it.
     """
 
     def __init__(self, model: Model, params: ContextParams) -> None:
@@ -336,7 +370,9 @@ class Context:
         self.decode_seconds = 0.0  # in the decode calls this context took part in
         self.decode_calls = 0
         self.rollback_seconds = 0.0  # in checkpoint and keep_branch
-        self.tokens: list[int] = []  # what the sequence holds, by position
+        self.tokens: list[int] = []  # what the sequence holds, by place (see MediaCells)
+        self._media: list[MediaRun] = []  # the media among them, in order
+        self._shift = 0  # their saved positions: the next token goes at len(tokens) - _shift
         self._last_call_start = 0  # position of the first token of the last decode call
         self._first_logit = 0  # place in that call's batch of the first row with logits
         self._last_row = 0  # place in that call's batch of its last row with logits
@@ -439,13 +475,13 @@ class Context:
         rows = self._rows(tokens)
         b, offsets = self._shared.batch, self._shared.offsets
         if parents is None:
-            np.add(offsets[:n], pos, out=b.pos[rows])
+            np.add(offsets[:n], pos - self._shift, out=b.pos[rows])
             b.n_seq_id[rows] = 1
             b.seq_id[rows, 0] = self.seq
             self.tokens.extend(tokens)
         else:
             tree = self._stage_tree(tokens, parents, rows)
-            np.add(tree.depths, pos - 1, out=b.pos[rows])
+            np.add(tree.depths, pos - 1 - self._shift, out=b.pos[rows])
             self.tokens.extend(tree.path_tokens(tree.primary_leaf))
         n_logits = min(n_logits, n)
         np.greater_equal(offsets[:n], n - n_logits, out=b.logits[rows])
@@ -547,7 +583,8 @@ class Context:
         Sequences are counted from this context's own."""
         if self.recurrent or not 0 < seq < self.n_seq_max:
             raise RuntimeError(f"{self.model.path.name} cannot hold a branch {seq}")
-        llama_cpp.llama_memory_seq_cp(self.memory, self.seq + source, self.seq + seq, -1, n_tokens)
+        end = self._position(n_tokens)
+        llama_cpp.llama_memory_seq_cp(self.memory, self.seq + source, self.seq + seq, -1, end)
         self._branches = max(self._branches, seq)
 
     def drop_branches(self) -> None:
@@ -614,12 +651,14 @@ class Context:
         self.rollback_seconds += time.perf_counter() - t0
 
     def rewind(self, n_keep: int) -> int:
-        """Forget every token at position >= n_keep, or, for a recurrent state, go back
-        to the checkpoint at or before n_keep. Returns how many tokens the memory holds:
-        the caller evaluates the rest again, with the next tokens it has to decode."""
+        """Forget every token from place n_keep on (and the whole of any media there), or,
+        for a recurrent state, go back to the checkpoint at or before n_keep. Returns how
+        many tokens the memory holds: the caller evaluates the rest again, with the next
+        tokens it has to decode."""
         self.drop_branches()
         if len(self.tokens) <= n_keep:
             return len(self.tokens)
+        n_keep = self._media_edge(n_keep)
         if n_keep > 0 and self.recurrent and not self._within_snapshots(n_keep):
             n_keep = self._checkpoint.restore(self.ptr, self.seq, n_keep, self.model.path.name)
         self._remove_from(n_keep)  # for a hybrid, its attention layers; never fails at 0
@@ -653,7 +692,7 @@ class Context:
         written = llama_cpp.llama_state_seq_get_data(self.ptr, data, size, self.seq)
         if written == 0 and self.tokens:
             raise RuntimeError(f"llama.cpp could not save a sequence of {self.model.path.name}")
-        return SavedState(tuple(self.tokens), data, self.runs)
+        return SavedState(tuple(self.tokens), data, self.runs, tuple(self._media))
 
     def load_state(self, saved: SavedState) -> None:
         """Make the sequence hold what `saved` holds, in place of its own."""
@@ -661,6 +700,8 @@ class Context:
         if not llama_cpp.llama_state_seq_set_data(self.ptr, saved.data, len(saved.data), self.seq):
             raise RuntimeError(f"llama.cpp could not load a sequence of {self.model.path.name}")
         self.tokens = list(saved.tokens)
+        self._media = list(saved.media)
+        self._shift = sum(run.saved for run in self._media)
         self.runs, self._run_open = saved.runs, False  # as scattered as the copy, at a guess
         self._last_call_start = len(self.tokens)  # no snapshots of a call to go back into
         self._checkpoint = _Checkpoint()
@@ -676,15 +717,52 @@ class Context:
         wrong state, though llama_memory_seq_rm reports success."""
         return n_keep > self._last_call_start and len(self.tokens) - n_keep <= self.n_rs_seq
 
-    def _remove_from(self, pos: int) -> None:
+    def _remove_from(self, n_keep: int) -> None:
+        """Drop the cells from place n_keep on (an edge of any media: see _media_edge)."""
         self._run_open = False
-        if pos == 0:
+        if n_keep == 0:
             self.runs = 0
+        pos = self._position(n_keep)
         if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, pos, -1):
             raise RuntimeError(
                 f"llama.cpp could not remove tokens from position {pos} of "
                 f"{self.model.path.name}'s memory"
             )
+        if self._media and self._media[-1].end > n_keep:
+            self._media = [run for run in self._media if run.end <= n_keep]
+            self._shift = sum(run.saved for run in self._media)
+
+    def _position(self, place: int) -> int:
+        """The position of the token at `place` in `tokens` (an edge of any media)."""
+        if not self._media:
+            return place
+        return place - sum(run.saved for run in self._media if run.start < place)
+
+    def _media_edge(self, n: int) -> int:
+        """n, or the start of the media whose cells n falls among: the memory keeps an
+        image whole, or none of it."""
+        for run in self._media:
+            if run.start < n < run.end:
+                return run.start
+        return n
+
+    def decode_media(self, media: MediaCells) -> None:
+        """Put `media` in the memory after what it holds (in decode calls of its own,
+        not the shared batch's: nothing of this context may be staged)."""
+        self.drop_branches()
+        start = len(self.tokens)
+        try:
+            media.decode(self.ptr, start - self._shift, self.seq, len(self._shared.offsets))
+        except BaseException:
+            self._remove_from(start)  # what part of it was decoded
+            raise
+        self.tokens.extend([media.placeholder] * media.n_tokens)
+        run = MediaRun(start, len(self.tokens), media.n_tokens - media.n_pos)
+        self._media.append(run)
+        self._shift += run.saved
+        self.runs += 1
+        self._run_open = False
+        self._last_call_start = len(self.tokens)  # no snapshots to go back into it
 
     def perf_seconds(self) -> float:
         """llama.cpp's own clock of its decode calls (from decode to results), summed
@@ -700,6 +778,7 @@ class SavedState:
     tokens: tuple[int, ...]
     data: ctypes.Array
     runs: int  # of cells it was copied from (see Context.runs)
+    media: tuple[MediaRun, ...]  # the media among its tokens
 
     @property
     def nbytes(self) -> int:

@@ -35,6 +35,15 @@ class Media:
     height: int = 0
 
 
+def not_taken(media: Media, projector: str, vision: bool, audio: bool) -> str | None:
+    """Why a projector (named `projector`, taking images where `vision`, audio where
+    `audio`) cannot take `media`; None where it can."""
+    if {"image": vision, "audio": audio}[media.kind]:
+        return None
+    what, other = ("an image", "audio") if media.kind == "image" else ("audio", "images")
+    return f"{media.name} is {what}, but the projector {projector} takes {other} only"
+
+
 def read_media(path: Path) -> Media:
     """An image or audio file, checked (see media_from_bytes)."""
     try:

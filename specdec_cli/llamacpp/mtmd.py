@@ -29,8 +29,9 @@ import numpy as np
 
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import FLASH_ATTN, Model
-from specdec_cli.llamacpp.media import Media
+from specdec_cli.llamacpp.media import Media, not_taken
 
+MARKER = mtmd.mtmd_default_marker().decode()  # where each image or clip goes in a prompt
 CHUNK_KINDS = {
     mtmd.MTMD_INPUT_CHUNK_TYPE_TEXT: "text",
     mtmd.MTMD_INPUT_CHUNK_TYPE_IMAGE: "image",
@@ -148,7 +149,7 @@ class Projector:
         self.audio: bool = mtmd.mtmd_support_audio(self.ptr)
         self.mrope: bool = mtmd.mtmd_decode_use_mrope(self.ptr)
         self.n_embd: int = llama_cpp.llama_model_n_embd_inp(model.ptr)
-        self.marker: str = mtmd.mtmd_default_marker().decode()
+        self.marker: str = MARKER
 
     def close(self) -> None:
         if self.ptr:
@@ -193,13 +194,9 @@ class Projector:
         return prompt
 
     def _bitmap(self, item: Media) -> int:
-        takes = {"image": self.vision, "audio": self.audio}
-        if not takes[item.kind]:
-            other = "images" if item.kind == "audio" else "audio"
-            raise UserError(
-                f"{item.name} is {'an image' if item.kind == 'image' else 'audio'}, but the "
-                f"projector {self.path.name} takes {other} only"
-            )
+        refusal = not_taken(item, self.path.name, self.vision, self.audio)
+        if refusal:
+            raise UserError(refusal)
         buf = (ctypes.c_uint8 * len(item.data)).from_buffer_copy(item.data)
         bitmap = mtmd.mtmd_helper_bitmap_init_from_buf(self.ptr, buf, len(item.data), False)
         if not bitmap:

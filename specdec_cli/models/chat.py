@@ -290,6 +290,26 @@ def conversation(prompt: str | None, options: ChatOptions) -> list[Message]:
     return messages
 
 
+def with_markers(text: str, n: int, marker: str) -> str:
+    """`text` with a marker for each of n images or audio clips, as llama.cpp's mtmd-cli
+    places them: where the text holds markers already, as it is; else all before it."""
+    return text if marker in text else marker * n + text
+
+
+def with_media_markers(messages: list[Message], n: int, marker: str) -> list[Message]:
+    """A conversation with a marker for each of n images or audio clips: where its
+    messages hold markers already, as they are; else before the text of the last user
+    message (with_markers)."""
+    if any(marker in m.content for m in messages):
+        return messages
+    users = [i for i, m in enumerate(messages) if m.role == "user"]
+    if not users:
+        raise UserError("images and audio go in a user message; the conversation has none")
+    last = messages[users[-1]]
+    marked = Message(last.role, with_markers(last.content, n, marker))
+    return [*messages[: users[-1]], marked, *messages[users[-1] + 1 :]]
+
+
 TOOLS_NEED_JINJA = (
     "tools need the model's Jinja template (llama.cpp's built-in formats cannot describe "
     "them); drop --no-jinja, or name a Jinja template file"

@@ -4,8 +4,10 @@
     OWNER/REPO:QUANT                    the file named with that quant tag (Q4_K_M, Q8_0, ...)
     OWNER/REPO                          Q4_K_M if there is one, else the repo's only GGUF
 
-(`hf://OWNER/REPO[:QUANT]` is accepted too.) huggingface-hub does the downloading and caching,
-so HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN and `hf auth login` work as usual.
+(`hf://OWNER/REPO[:QUANT]` is accepted too.) A model's multimodal projector is the
+mmproj*.gguf file beside it (fetch_mmproj), as `-hf` finds it. huggingface-hub does the
+downloading and caching, so HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE, HF_TOKEN and `hf auth
+login` work as usual.
 """
 
 from __future__ import annotations
@@ -64,6 +66,9 @@ _SPLIT = re.compile(r"-(?P<part>\d{5})-of-(?P<total>\d{5})\.gguf$")
 # FileNotFoundError, offline mode a ConnectionError; connection failures come from its HTTP library.
 _HUB_ERRORS = (EntryNotFoundError, HFValidationError, OSError, hub_http.HTTPError)
 PROBE_SECONDS = 5.0  # how long the one request that asks whether the Hub answers may take
+# Where a folder holds several projectors and none carries the model's quant tag: the
+# first of these precisions its name carries, else the first by name.
+PROJECTOR_PRECISIONS = ("F16", "BF16", "F32", "Q8_0")
 
 
 class RichBar(tqdm):
@@ -133,13 +138,10 @@ def fetch_gguf(ref: str) -> Path:
     For a split model every part is fetched and the first part's path is returned: llama.cpp
     finds the other parts next to it.
     """
-    repo_id, part, quant = _parse(ref)  # `part` names the file being fetched, for errors
-    local = is_offline_mode() or is_cached(ref)
-    unreachable = None if local else hub_unreachable()
-    lookup = _Lookup(ref, repo_id, part, quant, unreachable)
+    lookup = _lookup(ref)
     paths = []
     try:
-        parts = _split_parts(part or _pick_file(lookup))
+        parts = _split_parts(lookup.filename or _pick_file(lookup, _repo_files(lookup)))
         # Progress bars are for people watching; keep pipes and logs clean.
         watched = sys.stderr.isatty()
         with contextlib.nullcontext() if watched else disable_progress_bars():
@@ -148,7 +150,7 @@ def fetch_gguf(ref: str) -> Path:
                 bar = RichBar if watched else None
                 paths.append(
                     hf_hub_download(
-                        repo_id, part, tqdm_class=bar, local_files_only=lookup.from_cache
+                        lookup.repo_id, part, tqdm_class=bar, local_files_only=lookup.from_cache
                     )
                 )
     except _HUB_ERRORS as err:
@@ -156,6 +158,31 @@ def fetch_gguf(ref: str) -> Path:
     # Return the snapshot path, not the resolved blob: the blobs are named by hash, so only in
     # the snapshot directory do a split model's parts sit next to each other under their names.
     return Path(paths[0])
+
+
+def fetch_mmproj(ref: str) -> Path | None:
+    """Download (or find in the cache) the multimodal projector beside the model ref names:
+    an mmproj*.gguf file in the same folder of the repo (see _projector_beside). None
+    where there is none."""
+    lookup = _lookup(ref)
+    try:
+        files = _repo_files(lookup)
+        name = _projector_beside(lookup.filename or _pick_file(lookup, files), files, lookup.quant)
+        if name is None:
+            return None
+        lookup = lookup._replace(filename=name)
+        return Path(hf_hub_download(lookup.repo_id, name, local_files_only=lookup.from_cache))
+    except _HUB_ERRORS as err:
+        raise _explain(err, lookup) from err
+
+
+def _lookup(ref: str) -> _Lookup:
+    """A reference about to be fetched: from the cache where it must be (offline, or the
+    Hub does not answer), asking the Hub once at most."""
+    repo_id, part, quant = _parse(ref)  # `part` names the file being fetched, for errors
+    local = is_offline_mode() or is_cached(ref)
+    unreachable = None if local else hub_unreachable()
+    return _Lookup(ref, repo_id, part, quant, unreachable)
 
 
 class _Lookup(NamedTuple):
@@ -210,23 +237,51 @@ def _parse(ref: str) -> tuple[str, str | None, str | None]:
     return groups["repo"], filename, groups["quant"]
 
 
-def _pick_file(lookup: _Lookup) -> str:
+def _repo_files(lookup: _Lookup) -> list[str]:
+    """The repo's files: the Hub's list, or the cached snapshot's."""
+    repo_id, quant = lookup.repo_id, lookup.quant
+    if not lookup.from_cache:
+        return HfApi().list_repo_files(repo_id)
+    files = _cached_files(repo_id)
+    if not files:
+        raise lookup._replace(ref=f"{repo_id}:{quant}" if quant else repo_id).not_cached()
+    return files
+
+
+def _is_projector(name: str) -> bool:
+    return PurePosixPath(name).name.lower().startswith("mmproj")
+
+
+def _projector_beside(model: str, files: list[str], quant: str | None) -> str | None:
+    """The mmproj*.gguf file in the model's folder: the only one, else the one carrying
+    the model's quant tag, else by PROJECTOR_PRECISIONS; None where there is none."""
+    folder = PurePosixPath(model).parent
+    found = sorted(
+        name
+        for name in files
+        if _is_projector(name)
+        and name.lower().endswith(".gguf")
+        and PurePosixPath(name).parent == folder
+    )
+    if len(found) <= 1:
+        return found[0] if found else None
+    for tag in (quant or DEFAULT_QUANT, *PROJECTOR_PRECISIONS):
+        tagged = _matching(found, tag)
+        if tagged:
+            return tagged[0]
+    return found[0]
+
+
+def _pick_file(lookup: _Lookup, files: list[str]) -> str:
     """Choose the GGUF file for OWNER/REPO[:QUANT] from the repo's file list."""
     repo_id, quant = lookup.repo_id, lookup.quant
-    if lookup.from_cache:
-        where = f"the cached copy of {repo_id}"
-        files = _cached_files(repo_id)
-        if not files:
-            raise lookup._replace(ref=f"{repo_id}:{quant}" if quant else repo_id).not_cached()
-    else:
-        where = repo_id
-        files = HfApi().list_repo_files(repo_id)
+    where = f"the cached copy of {repo_id}" if lookup.from_cache else repo_id
     # One entry per model: skip vision projectors and the later parts of split models.
     models = [
         name
         for name in files
         if name.lower().endswith(".gguf")
-        and not PurePosixPath(name).name.lower().startswith("mmproj")
+        and not _is_projector(name)
         and _split_index(name) in (None, 1)
     ]
     if not models:

@@ -7,10 +7,12 @@ aborted); a projector made for another model is the common mistake, so it is nam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.media import Media, not_taken
 from specdec_cli.models.gguf_meta import GGUFFile, read_gguf
 
 # The tensor, and which of its ggml dimensions, that holds the width of the embeddings each
@@ -40,7 +42,12 @@ class ProjectorInfo:
 
 def read_projector(path: Path) -> ProjectorInfo:
     """A projector file's header; a GGUF that is not a projector is a UserError."""
-    gguf = read_gguf(path)
+    return projector_of(read_gguf(path))
+
+
+def projector_of(gguf: GGUFFile) -> ProjectorInfo:
+    """A read header's projector facts (see read_projector)."""
+    path = gguf.path
     if gguf.architecture != "clip":
         raise UserError(
             f"{path} is not a multimodal projector (its architecture is {gguf.architecture}); "
@@ -70,14 +77,38 @@ def _width(gguf: GGUFFile, kind: str) -> int | None:
 
 
 def check_projector(projector: ProjectorInfo, target: GGUFFile) -> None:
-    """A UserError if the projector writes embeddings the target cannot read. Qwen3-VL's
-    deepstack layers widen both by the same factor (llama.cpp's n_embd_inp): the main
-    path's width is compared, with the target's embedding length."""
+    """A UserError if the projector writes embeddings the target cannot read (see
+    projector_problem)."""
+    problem = projector_problem(projector, target)
+    if problem:
+        raise UserError(problem)
+
+
+def projector_problem(projector: ProjectorInfo, target: GGUFFile) -> str | None:
+    """Why the target cannot read the projector's embeddings; None where it can, or where
+    the projector's width is not known here. Qwen3-VL's deepstack layers widen both by the
+    same factor (llama.cpp's n_embd_inp): the main path's width is compared, with the
+    target's embedding length."""
     wanted = target.embedding_length
     if projector.n_embd is None or wanted is None or projector.n_embd == wanted:
-        return
-    raise UserError(
+        return None
+    return (
         f"the projector {projector.path.name} writes embeddings {projector.n_embd} wide, but "
         f"{target.path.name} reads {wanted}: it was made for another model; pass the "
         f"mmproj file that came with {target.path.name}"
     )
+
+
+def check_media(projector: ProjectorInfo, media: Sequence[Media]) -> None:
+    """A UserError for the first of `media` the projector cannot take (audio for one that
+    takes images only, or the other way), from its header: before anything loads."""
+    for item in media:
+        refusal = not_taken(item, projector.path.name, projector.vision, projector.audio)
+        if refusal:
+            raise UserError(refusal)
+
+
+def takes(vision: bool, audio: bool) -> str:
+    """What a projector takes, in words."""
+    kinds = [kind for kind, yes in (("images", vision), ("audio", audio)) if yes]
+    return " and ".join(kinds) or "nothing"

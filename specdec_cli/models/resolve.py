@@ -15,7 +15,13 @@ from huggingface_hub import is_offline_mode
 from specdec_cli.errors import UserError
 from specdec_cli.models.config import DEFAULT_PAIR, Config, ModelSpec, PairSpec, load_config
 from specdec_cli.models.gguf_meta import check_gguf
-from specdec_cli.models.hub import fetch_gguf, hub_unreachable, is_cached, is_hub_ref
+from specdec_cli.models.hub import (
+    fetch_gguf,
+    fetch_mmproj,
+    hub_unreachable,
+    is_cached,
+    is_hub_ref,
+)
 
 NO_DRAFT = "none"  # `-d none`: run the target alone, as a baseline
 HEAD = "mtp"  # `-d mtp`: the target's own MTP head drafts (models/heads.py)
@@ -50,6 +56,21 @@ def locate_model(ref: str, config: Config | None = None) -> Path:
             f"{config.path or 'your config file'} or a Hub repo (OWNER/REPO:QUANT)"
         )
     check_gguf(path)
+    return path
+
+
+def locate_projector(ref: str, config: Config) -> Path | None:
+    """The multimodal projector beside the model `ref` names, where that is a Hub
+    reference (see hub.fetch_mmproj); None elsewhere (a local file's is given with
+    --mmproj) or where the repo has none."""
+    spec = config.resolve(ref)
+    if isinstance(spec, PairSpec):
+        spec = spec.target
+    if Path(spec.path).expanduser().exists() or not is_hub_ref(spec.path):
+        return None
+    path = fetch_mmproj(spec.path)
+    if path is not None:
+        check_gguf(path)
     return path
 
 

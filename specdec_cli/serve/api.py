@@ -10,6 +10,8 @@ surrogates that cannot be encoded): the server answers 400 and goes on.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -19,11 +21,16 @@ from specdec_cli.decoding.grammar import Grammar, check_json_bytes
 from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.media import Media, media_from_bytes
+from specdec_cli.llamacpp.mtmd import MARKER
 from specdec_cli.models.chat import ChatFormat, Message, messages_from
 
 MAX_STOPS = 16
 MAX_K = 256  # a draft length beyond this is never useful, and is refused
 SEED_MODULUS = 2**64  # numpy takes seeds >= 0; OpenAI's may be negative
+# Content parts that carry media, and the kind each must hold (OpenAI's chat API).
+MEDIA_PARTS = {"image_url": "image", "input_audio": "audio"}
+AUDIO_FORMATS = ("wav", "mp3", "flac")
 
 
 @dataclass(frozen=True)
@@ -130,6 +137,9 @@ class GenerationRequest:
     # "grammar" (GBNF) or "json_schema" (see decoding/grammar.py); None: nothing.
     grammar: Grammar | None = None
     grammar_field: str | None = None  # the field the grammar came in, for its errors
+    # Chat: the images and audio of the messages' content parts, in order, each named by
+    # its part ("messages[0].content[1]"); a media marker stands in each one's place.
+    media: tuple[Media, ...] = ()
 
     def offered_tools(self) -> list[dict[str, Any]]:
         """The tools the chat template gets: none for "none", only the named one for a
@@ -192,9 +202,11 @@ def parse_request(
                 "also follow response_format (or grammar, json_schema): send one of them",
                 param="tool_choice",
             )
+        messages, media = _messages(body)
         return replace(
             request,
-            messages=_messages(body),
+            messages=messages,
+            media=media,
             tools=tools,
             tool_choice=choice,
             tool_name=name,
@@ -435,19 +447,92 @@ def _tool_choice(
     return "function", name
 
 
-def _messages(body: dict[str, object]) -> tuple[Message, ...]:
+def _messages(body: dict[str, object]) -> tuple[tuple[Message, ...], tuple[Media, ...]]:
+    """The messages, and the media of their content parts (each part a media marker in
+    its message's text, as llama-server puts it there)."""
     items = body.get("messages")
     if not isinstance(items, list) or not items:
         raise ApiError(
             'messages must be a non-empty list of {"role", "content"} objects', param="messages"
         )
+    media: list[Media] = []
+    items = [_media_in(item, f"messages[{i}]", media) for i, item in enumerate(items)]
     try:
         messages = messages_from(items, "request")
     except UserError as err:
         raise ApiError(str(err), param="messages") from None
     for message in messages:
         _encodable(message.content, "messages")
-    return messages
+    return messages, tuple(media)
+
+
+def _media_in(message: object, where: str, media: list[Media]) -> object:
+    """A message whose media parts are read into `media` and become text parts holding
+    a marker; anything else as it came (messages_from checks it)."""
+    content = message.get("content") if isinstance(message, dict) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for j, part in enumerate(content):
+        if isinstance(part, dict) and part.get("type") in MEDIA_PARTS:
+            media.append(_media_part(part, f"{where}.content[{j}]"))
+            part = {"type": "text", "text": MARKER}
+        parts.append(part)
+    return {**message, "content": parts}
+
+
+def _media_part(part: dict[str, Any], where: str) -> Media:
+    """An image_url part (a data: URL) or an input_audio part (base64 and its format),
+    read and checked (see media.py); a 400 naming the part otherwise."""
+    kind = MEDIA_PARTS[part["type"]]
+    data = _image_url(part, where) if kind == "image" else _input_audio(part, where)
+    try:
+        media = media_from_bytes(data, where)
+    except UserError as err:
+        raise ApiError(str(err), param=where) from None
+    if media.kind != kind:
+        raise ApiError(f"{where} is {media.kind}, sent as {part['type']}", param=where)
+    return media
+
+
+def _image_url(part: dict[str, Any], where: str) -> bytes:
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str):
+        raise ApiError(f'{where}: image_url has no "url" string', param=where)
+    if url.startswith(("http://", "https://")):
+        raise ApiError(
+            f"{where}: remote image URLs are not fetched; send the image in a data: URL "
+            "(data:image/png;base64,...)",
+            param=where,
+        )
+    header, comma, payload = url.partition(",")
+    if not (header.startswith("data:") and header.endswith(";base64") and comma):
+        raise ApiError(
+            f"{where}: image_url is not a base64 data: URL (data:image/png;base64,...)",
+            param=where,
+        )
+    return _base64(payload, where)
+
+
+def _input_audio(part: dict[str, Any], where: str) -> bytes:
+    value = part.get("input_audio")
+    data = value.get("data") if isinstance(value, dict) else None
+    audio_format = value.get("format") if isinstance(value, dict) else None
+    if not isinstance(data, str) or audio_format not in AUDIO_FORMATS:
+        raise ApiError(
+            f'{where}: input_audio must be {{"data": BASE64, "format": '
+            f"{' or '.join(map(repr, AUDIO_FORMATS))}}}",
+            param=where,
+        )
+    return _base64(data, where)
+
+
+def _base64(text: str, where: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"{where}: the data is not base64", param=where) from None
 
 
 def _prompt(body: dict[str, object]) -> tuple[str | None, tuple[int, ...] | None]:

@@ -24,7 +24,9 @@ class Metrics:
         self.totals.add(stats)
         self.drafts += sum(n for k, n in stats.draft_lengths.items() if k)
 
-    def text(self, processing: int, deferred: int, counters: Counters) -> str:
+    def text(self, processing: int, deferred: int, counters: Counters, encoded: int) -> str:
+        """`encoded`: images and audio clips the projector encoded (each once, while its
+        embeddings are kept: see multimodal.Encodings)."""
         t, c = self.totals, counters
         decodes = max(c.decodes, 1)
         rows: list[tuple[str, str, str, list[tuple[str, float]]]] = [
@@ -63,6 +65,8 @@ class Metrics:
              [("", t.accepted_beside)]),
             ("target_passes_total", "counter", "Target passes (each verifies one draft)",
              [("", t.target_passes)]),
+            ("media_encoded_total", "counter", "Images and audio clips encoded",
+             [("", encoded)]),
         ]  # fmt: skip
         lines = []
         for name, kind, help_text, samples in rows:

@@ -29,13 +29,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.scheduler import Counters
 from specdec_cli.errors import UserError
-from specdec_cli.serve.api import ApiError, parse_body, parse_request
+from specdec_cli.serve.api import ApiError, GenerationRequest, parse_body, parse_request
 from specdec_cli.serve.logprobs import LogprobWriter
+from specdec_cli.serve.reply import ReplyParser
 from specdec_cli.serve.responses import Endpoint, error_response
 from specdec_cli.serve.service import Job, Service
 from specdec_cli.serve.streaming import Answer
 
 MAX_BODY_BYTES = 8 * 2**20
+# With a projector: room for images in base64 (4/3 of their bytes) at media.py's limit.
+MAX_MEDIA_BODY_BYTES = 64 * 2**20
 PUBLIC_PATHS = ("/health", "/")  # no API key: the page holds no data, it asks for the key
 
 
@@ -129,7 +132,9 @@ class Api:
         service, scheduler = self.service, self.service.scheduler
         processing = len(scheduler.busy) if scheduler else 0
         counters = scheduler.counters if scheduler else Counters()
-        text = service.metrics.text(processing, len(service.waiting), counters)
+        encodings = service.engine.encodings if service.engine else None
+        encoded = encodings.encoded if encodings else 0
+        text = service.metrics.text(processing, len(service.waiting), counters, encoded)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     async def slots(self, request: Request) -> Response:
@@ -164,7 +169,8 @@ class Api:
         service = self.service
         if service.engine is None:
             raise ApiError.retry_later(service.unavailable, "loading")
-        body = await read_body(request)
+        most = MAX_MEDIA_BODY_BYTES if service.engine_options.mmproj else MAX_BODY_BYTES
+        body = await read_body(request, most)
         # in a helper thread: the body may be megabytes, a grammar's checks read it all
         # (llguidance compiles in its own threads, see grammar.on_compile_thread)
         parsed = await asyncio.to_thread(
@@ -172,18 +178,31 @@ class Api:
         )
         service.check_speculation(parsed.speculation)
         try:
-            prompt = await asyncio.to_thread(service.prompt_tokens, parsed)
+            prompt = await asyncio.to_thread(service.prompt, parsed)
         except UserError as err:  # a chat template llama.cpp does not know, say
             raise ApiError(str(err)) from None
-        reply, shown = service.reply_parser(parsed, prompt) if endpoint.chat else (None, set())
-        if endpoint.chat:
-            try:
-                tools = await asyncio.to_thread(service.tool_grammar, parsed, prompt)
-            except UserError as err:
-                raise ApiError(str(err), param="tools") from None
-            if tools is not None:
-                parsed = replace(parsed, grammar=tools, grammar_field="tools")
+        try:
+            parsed, reply, shown = await self._chat_reply(parsed, prompt.tokens, endpoint)
+        except BaseException:
+            prompt.close()
+            raise
         return service.admit(parsed, prompt, reply, frozenset(shown))
+
+    async def _chat_reply(
+        self, parsed: GenerationRequest, prompt: list[int], endpoint: Endpoint
+    ) -> tuple[GenerationRequest, ReplyParser | None, set[int]]:
+        """How a chat reply is parted, and the request with the grammar its tools need."""
+        if not endpoint.chat:
+            return parsed, None, set()
+        service = self.service
+        reply, shown = service.reply_parser(parsed, prompt)
+        try:
+            tools = await asyncio.to_thread(service.tool_grammar, parsed, prompt)
+        except UserError as err:
+            raise ApiError(str(err), param="tools") from None
+        if tools is not None:
+            parsed = replace(parsed, grammar=tools, grammar_field="tools")
+        return parsed, reply, shown
 
     async def _watch_disconnect(self, request: Request, job: Job) -> None:
         """Stop the generation when its client goes away (the body is read already, so
@@ -202,15 +221,15 @@ class Api:
         return Answer(job, endpoint, self.service.model_name, writer)
 
 
-async def read_body(request: Request) -> bytes:
-    """The body, up to MAX_BODY_BYTES (413 past that)."""
+async def read_body(request: Request, most: int) -> bytes:
+    """The body, up to `most` bytes (413 past that)."""
     size = request.headers.get("content-length")
-    if size is not None and size.isdigit() and int(size) > MAX_BODY_BYTES:
-        raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+    if size is not None and size.isdigit() and int(size) > most:
+        raise ApiError(f"the request body is over {most} bytes", status=413)
     chunks, total = [], 0
     async for chunk in request.stream():
         total += len(chunk)
-        if total > MAX_BODY_BYTES:
-            raise ApiError(f"the request body is over {MAX_BODY_BYTES} bytes", status=413)
+        if total > most:
+            raise ApiError(f"the request body is over {most} bytes", status=413)
         chunks.append(chunk)
     return b"".join(chunks)

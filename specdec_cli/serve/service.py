@@ -17,12 +17,14 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.grammar import Grammar, lark_literal
+from specdec_cli.decoding.multimodal import MediaPrompt
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.promptcache import PromptCache
 from specdec_cli.decoding.scheduler import Scheduler, Task
@@ -30,8 +32,9 @@ from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
+from specdec_cli.llamacpp.media import Media, not_taken
 from specdec_cli.messages import note, warn
-from specdec_cli.models.chat import runs_jinja
+from specdec_cli.models.chat import ChatFormat, Message, runs_jinja
 from specdec_cli.serve.api import (
     ApiError,
     GenerationRequest,
@@ -88,7 +91,7 @@ class Job:
     """A queued generation, and the channel its events come back on."""
 
     request: GenerationRequest
-    prompt: list[int]
+    prompt: MediaPrompt  # closed once the job is done
     seed: int
     loop: asyncio.AbstractEventLoop
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -228,7 +231,7 @@ class Service:
             if job.cancelled.is_set():  # its client left while it waited
                 self._done(self.waiting.popleft(), Stats(stop_reason="cancelled"), None)
                 continue
-            slot = scheduler.claim(job.prompt)
+            slot = scheduler.claim(job.prompt.tokens)
             if slot is None:
                 return
             self.waiting.popleft()
@@ -243,13 +246,14 @@ class Service:
         decoder = self._decoder(request.speculation, slot)
         rng = np.random.default_rng(job.seed)
         generation = decoder.start(
-            job.prompt,
+            job.prompt.tokens,
             request.max_tokens,
             rng,
             stats,
             request.sampling,
             request.logprobs,
             request.grammar,
+            job.prompt.media,
         )
 
         def emit(piece: Piece) -> None:
@@ -266,6 +270,7 @@ class Service:
         )
 
     def _done(self, job: Job, stats: Stats, error: Exception | None) -> None:
+        job.prompt.close()
         job.emit(Finished(stats) if error is None else Failed(error, stats))
         with suppress(RuntimeError):  # a closed event loop: the server has stopped
             job.loop.call_soon_threadsafe(self._finished, stats)
@@ -323,12 +328,14 @@ class Service:
     def admit(
         self,
         request: GenerationRequest,
-        prompt: list[int],
+        prompt: MediaPrompt,
         reply: ReplyParser | None = None,
         shown: frozenset[int] = frozenset(),
     ) -> Job:
-        """Queue a generation, or refuse it (503, Retry-After) when the queue is full."""
+        """Queue a generation, or refuse it (503, Retry-After) when the queue is full. The
+        job owns the prompt from here (a refused one is closed)."""
         if self.admitted >= self.engine_options.parallel + self.options.queue:
+            prompt.close()
             self.metrics.rejected += 1
             busy = f"the server is busy ({self.admitted} requests in progress or waiting)"
             raise ApiError.retry_later(busy, "server_busy")
@@ -407,11 +414,20 @@ class Service:
             self._marker_tokens[text] = tokens if len(tokens) == 1 else []
         return self._marker_tokens[text]
 
-    def prompt_tokens(self, request: GenerationRequest) -> list[int]:
-        """The request's prompt as tokens, checked against the context (in a helper thread:
-        llama.cpp's tokenizer only reads the vocabulary)."""
+    def prompt(self, request: GenerationRequest) -> MediaPrompt:
+        """The request's prompt as tokens, and its media, checked against the context (in a
+        helper thread: llama.cpp's tokenizer only reads the vocabulary, and libmtmd's only
+        prepares the media, as llama-server's HTTP threads do). The caller closes it."""
+        prompt = self._prompt(request)
+        try:
+            self._check_prompt(request, prompt.tokens)
+        except ApiError:
+            prompt.close()
+            raise
+        return prompt
+
+    def _prompt(self, request: GenerationRequest) -> MediaPrompt:
         assert self.engine is not None
-        model = self.engine.model
         if request.messages is not None:
             messages, tools = list(request.messages), request.offered_tools()
             kwargs = self.chat_format.kwargs | request.template_kwargs
@@ -423,17 +439,50 @@ class Service:
                     param="tools",
                 )
             try:
+                if request.media:
+                    return self._media_prompt(request, messages, format, tools)
                 tokens = self.engine.tokenize_messages(messages, format, tools)
-            except UserError as err:  # the template failed on these messages
+            except UserError as err:  # the template failed on these messages, or the media
                 raise ApiError(str(err), param="messages") from None
         elif request.tokens is not None:
             tokens = list(request.tokens)
-            if not all(0 <= t < model.n_vocab for t in tokens):
-                raise ApiError(
-                    f"prompt token ids must be from 0 to {model.n_vocab - 1}", param="prompt"
-                )
+            n_vocab = self.engine.model.n_vocab
+            if not all(0 <= t < n_vocab for t in tokens):
+                raise ApiError(f"prompt token ids must be from 0 to {n_vocab - 1}", param="prompt")
         else:
             tokens = self.engine.tokenize(request.text or "")
+        return MediaPrompt(tokens)
+
+    def _media_prompt(
+        self,
+        request: GenerationRequest,
+        messages: list[Message],
+        format: ChatFormat,
+        tools: list[dict[str, Any]],
+    ) -> MediaPrompt:
+        """A chat with images or audio: the media checked against the projector (a 400
+        naming the first part it cannot take), then tokenized with the text."""
+        assert self.engine is not None
+        self._check_media(request.media)
+        text = self.engine.chat_text(messages, format, tools)
+        return self.engine.media_prompt(text, request.media, request.speculation.enabled)
+
+    def _check_media(self, media: tuple[Media, ...]) -> None:
+        assert self.engine is not None
+        if self.engine.encodings is None:
+            raise ApiError(
+                "this server's model takes no images or audio (it was started without --mmproj)",
+                param=media[0].name,
+            )
+        projector = self.engine.encodings.projector
+        for item in media:
+            refusal = not_taken(item, projector.path.name, projector.vision, projector.audio)
+            if refusal:
+                raise ApiError(refusal, param=item.name)
+
+    def _check_prompt(self, request: GenerationRequest, tokens: list[int]) -> None:
+        assert self.engine is not None
+        model = self.engine.model
         if request.grammar is not None:  # what llguidance finds wrong in it
             try:
                 request.grammar.check(model)
@@ -449,4 +498,3 @@ class Service:
                 param="messages" if request.chat else "prompt",
                 code="context_length_exceeded",
             )
-        return tokens

@@ -1,0 +1,107 @@
+"""Speculation's speedup on the text after an image, against after text alone, and the
+image's encode time apart from decoding (issue 63's benchmark).
+
+The same question is asked with the images and without them, each by the target alone and
+speculating (the drafter of -d, fed the text alone), the four runs in turns that alternate
+their order from repeat to repeat; each run's tokens per second count generation only (the
+prompt, image included, is read before the clock starts). The encoder's time is measured
+on its own, every image encoded afresh each repeat. Medians over the repeats.
+
+    python benchmarks/vision_speedup.py -m TARGET --mmproj MMPROJ -d DRAFT \\
+        --image pic.png [--image ...] [-p "Describe the picture in detail."] \\
+        [-n 128] [--repeat 5] [-t 2] [-k auto]
+
+Run it alone on the machine: anything else running makes the figures meaningless.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.multimodal import MediaPrompt
+from specdec_cli.decoding.sampling import GREEDY
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions
+from specdec_cli.decoding.stats import Stats
+from specdec_cli.llamacpp.media import Media, read_media
+from specdec_cli.models.chat import ChatOptions
+
+CASES = ("after the image", "text alone")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("-m", "--model", type=Path, required=True)
+    parser.add_argument("--mmproj", type=Path, required=True)
+    parser.add_argument("-d", "--draft", default="ngram", help="a draft model, or ngram")
+    parser.add_argument("--image", type=Path, action="append", required=True)
+    parser.add_argument("-p", "--prompt", default="Describe the picture in detail.")
+    parser.add_argument("-n", "--n-predict", type=int, default=128)
+    parser.add_argument("-k", default="auto")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("-t", "--threads", type=int, default=2)
+    args = parser.parse_args()
+    lookup = args.draft == "ngram"
+    options = EngineOptions(
+        args.model,
+        draft=None if lookup else Path(args.draft),
+        ngram=True if lookup else None,
+        mmproj=args.mmproj,
+        threads=args.threads,
+        sampling=GREEDY,
+        drafting=DraftOptions(k=args.k),
+    )
+    media = [read_media(path) for path in args.image]
+    rates: dict[tuple[str, str], list[float]] = {}
+    encode_seconds: list[float] = []
+    with Engine(options) as engine:
+        decoders = {"target": engine.make_decoder(None, "1"), "speculative": engine.decoder}
+        chat = ChatOptions()
+        for rep in range(args.repeat):
+            encode_seconds.append(time_encoding(engine, args.prompt, chat, media))
+            runs = [(case, side) for case in CASES for side in decoders]
+            for case, side in runs if rep % 2 == 0 else runs[::-1]:
+                with engine.prompt(args.prompt, chat, media if case == CASES[0] else ()) as prompt:
+                    rate = tokens_per_second(decoders[side], prompt, args.n_predict)
+                rates.setdefault((case, side), []).append(rate)
+    report(rates, encode_seconds, len(media))
+
+
+def time_encoding(engine: Engine, text: str, chat: ChatOptions, media: list[Media]) -> float:
+    """Seconds the projector takes to encode every image of the prompt, afresh."""
+    assert engine.encodings is not None
+    projector = engine.encodings.projector
+    with engine.prompt(text, chat, media) as prompt:
+        chunks = [m.chunk for m in prompt.media.values()]
+        start = time.perf_counter()
+        for chunk in chunks:
+            projector.encode(chunk)
+        return time.perf_counter() - start
+
+
+def tokens_per_second(decoder: Decoder, prompt: MediaPrompt, n: int) -> float:
+    stats = Stats()
+    rounds = decoder.generate(prompt.tokens, n, np.random.default_rng(0), stats, media=prompt.media)
+    for _ in rounds:
+        pass
+    return stats.tokens_per_second
+
+
+def report(rates: dict[tuple[str, str], list[float]], encode: list[float], n_media: int) -> None:
+    print(f"{'':18s} {'target tok/s':>13s} {'speculative':>12s} {'speedup':>8s}")
+    for case in CASES:
+        target = statistics.median(rates[case, "target"])
+        speculative = statistics.median(rates[case, "speculative"])
+        print(f"{case:18s} {target:13.1f} {speculative:12.1f} {speculative / target:7.2f}x")
+    median = statistics.median(encode)
+    print(f"encoding {n_media} image(s): {median * 1e3:.1f} ms (median of {len(encode)})")
+
+
+if __name__ == "__main__":
+    main()

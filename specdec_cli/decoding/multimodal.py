@@ -1,0 +1,138 @@
+"""Prompts with images or audio, as the decode loop reads them.
+
+A projector (llamacpp/mtmd.py) tokenizes a prompt with media into chunks. Here they become
+one list of tokens, as every other prompt is, with each media chunk's cells written as its
+placeholder: a negative number made from the SHA-256 of the media's bytes. So a slot's
+cache, the prompt cache and the scheduler compare prompts with media as they compare any
+(two prompts with different images part at the first image), and the target decodes a
+placeholder's cells through its chunk (llama.MediaCells) where it reads the prompt.
+
+Drafters never see media: a draft model or a lookup drafts from the text alone
+(`text_tokens`), a draft model at its own contiguous positions. That is exact: a draft only
+proposes, and the target, which saw the media, decides.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import llama_cpp.llama_cpp as llama_cpp
+import numpy as np
+
+from specdec_cli.llamacpp.llama import MediaCells
+from specdec_cli.llamacpp.mtmd import Chunk, Projector, Prompt
+
+# Embeddings kept for media sent again (a conversation's next turn, once another prompt
+# has taken its cells): an image of a few thousand tokens of a 4096-wide model is ~50 MiB.
+ENCODINGS_BYTES = 256 * 2**20
+
+
+def placeholder(media_id: str) -> int:
+    """The number that stands for each cell of the media whose bytes hash to `media_id`
+    (hexadecimal SHA-256): negative, as no token is, and the whole hash, so that only the
+    same media matches it."""
+    return -1 - int(media_id, 16)
+
+
+def text_tokens(tokens: list[int]) -> list[int]:
+    """A prompt's text tokens, its media left out."""
+    return [t for t in tokens if t >= 0]
+
+
+class Encodings:
+    """Media embeddings by the hash of the media's bytes, the least recently used
+    dropped past `max_bytes`: media decoded again is not encoded again. `encoded` counts
+    the encoder's runs."""
+
+    def __init__(self, projector: Projector, max_bytes: int = ENCODINGS_BYTES) -> None:
+        self.projector = projector
+        self.max_bytes = max_bytes
+        self.encoded = 0
+        self._kept: OrderedDict[str, np.ndarray] = OrderedDict()
+        self._bytes = 0
+
+    def embeddings(self, chunk: Chunk) -> np.ndarray:
+        assert chunk.id is not None
+        kept = self._kept.get(chunk.id)
+        if kept is not None:
+            self._kept.move_to_end(chunk.id)
+            return kept
+        embeddings = self.projector.encode(chunk)
+        self.encoded += 1
+        if embeddings.nbytes <= self.max_bytes:
+            self._kept[chunk.id] = embeddings
+            self._bytes += embeddings.nbytes
+            while self._bytes > self.max_bytes:
+                self._bytes -= self._kept.popitem(last=False)[1].nbytes
+        return embeddings
+
+
+@dataclass(frozen=True)
+class MediaChunk:
+    """A prompt's media chunk, as a target decodes it (llama.MediaCells)."""
+
+    chunk: Chunk
+    encodings: Encodings
+    placeholder: int
+    n_tokens: int
+    n_pos: int
+
+    def decode(self, ctx: llama_cpp.llama_context_p, pos: int, seq: int, n_batch: int) -> int:
+        embeddings = self.encodings.embeddings(self.chunk)
+        return self.encodings.projector.decode(ctx, self.chunk, embeddings, pos, seq, n_batch)
+
+
+class MediaPrompt:
+    """A prompt as a generation takes it: `tokens` (each media chunk's cells as its
+    placeholder) and `media` (each placeholder's chunk; none for text alone). Made of
+    libmtmd's chunks (of_chunks), it owns them: close it once its generation is done."""
+
+    def __init__(
+        self,
+        tokens: list[int],
+        media: dict[int, MediaChunk] | None = None,
+        chunks: Prompt | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.media = media or {}
+        self._chunks = chunks
+
+    @classmethod
+    def of_chunks(cls, prompt: Prompt, encodings: Encodings) -> MediaPrompt:
+        tokens: list[int] = []
+        media: dict[int, MediaChunk] = {}
+        for chunk in prompt.chunks:
+            if chunk.kind == "text":
+                tokens += chunk.tokens
+                continue
+            if chunk.id is None:
+                raise RuntimeError(f"libmtmd gave {chunk.kind} without an id")
+            mark = placeholder(chunk.id)
+            media[mark] = MediaChunk(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos)
+            tokens += [mark] * chunk.n_tokens
+        return cls(tokens, media, prompt)
+
+    def close(self) -> None:
+        if self._chunks is not None:
+            self._chunks.close()
+
+    def __enter__(self) -> MediaPrompt:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def media_starts(tokens: list[int], media: Mapping[int, MediaCells]) -> list[int]:
+    """Where each media's cells start among a prompt's tokens, in order (two of the same
+    image in a row are two)."""
+    starts, i = [], 0
+    while i < len(tokens):
+        if tokens[i] < 0:
+            starts.append(i)
+            i += media[tokens[i]].n_tokens
+        else:
+            i += 1
+    return starts
