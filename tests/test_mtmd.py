@@ -19,7 +19,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 import pytest
-from llamatools import llama_tool
+from llamatools import TOOL_MARGIN, llama_tool
 from mtmdgen import CHATML, COLORS, VisionPair, png, write_mlp_projector, write_vision_pair
 
 from specdec_cli.errors import UserError
@@ -306,13 +306,16 @@ def test_llama_mtmd_cli_writes_the_same_text(loaded: Loaded, colour: str, tmp_pa
     marker = "--- specdec: the answer follows ---"
     command = [str(tool), "-m", str(loaded.pair.target), "--mmproj", str(loaded.pair.mmproj)]
     command += ["--image", str(path), "-p", loaded.projector.marker + QUESTION]
-    command += ["-n", str(N_PREDICT), "--temp", "0", "-t", "1", "-fa", "off", "-c", str(N_CTX)]
+    # Tokens past ours: llama.cpp's logger, through which the tool prints, may lose its last
+    # lines at exit (it is leaked, never flushed: common/log.cpp, llama.cpp issue #22142).
+    n = N_PREDICT + TOOL_MARGIN
+    command += ["-n", str(n), "--temp", "0", "-t", "1", "-fa", "off", "-c", str(N_CTX)]
     env = os.environ | {"MTMD_TEST_RESPONSE_MARKER": marker}
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     theirs = result.stdout.split(marker, 1)[1].strip()
     ours = b"".join(loaded.model.piece(t) for t in answer(loaded, colour)).decode()
-    assert theirs == ours.strip()
+    assert theirs.startswith(ours.strip())
 
 
 # Bad input: refused in one line that names it, before libmtmd sees it.
