@@ -1,4 +1,4 @@
-"""The package's layers, as README.md's Layout gives them: each uses only the ones below it
+"""The package's layers, as docs/layout.md gives them: each uses only the ones below it
 (llamacpp/ < models/ < decoding/ < the two interfaces, commands/ and serve/), and every
 layer may use the top-level modules (errors, messages, interrupt, listening), which use
 nothing of the package but one another."""
