@@ -466,6 +466,31 @@ def test_greedy_generations_go_on_probing_where_the_last_left_off() -> None:
     assert probe_rounds(policy, True, 60) not in ([], fresh)  # on from where it was
 
 
+def test_greedy_generations_go_on_from_what_the_last_learnt() -> None:
+    """A draft the target rarely takes, where verification is dear: the first greedy
+    generation learns it from the optimistic prior, drafting for a while; the next one
+    starts where it left off and does not draft it again, but a sampled generation starts
+    from the prior as if alone, and leaves what the greedy ones learnt as it was."""
+    steep = Costs(0.01, 0.0, {n: 1.0 + 0.45 * (n - 1) for n in range(1, 18)})
+
+    def first_rounds(policy: AutoLength, invariant: bool) -> list[int]:
+        policy.begin(invariant)
+        chosen = []
+        for _ in range(6):
+            k = policy.choose(100)
+            chosen.append(k)
+            policy.observe(draft_of(k), 0, None, None)  # never taken
+        return chosen
+
+    policy = AutoLength(steep, 0, 8, uses_confidence=False)
+    alone = first_rounds(AutoLength(steep, 0, 8, uses_confidence=False), True)
+    assert sum(alone) >= 5  # the prior says drafting pays, for a few rounds
+    assert first_rounds(policy, True) == alone
+    assert sum(first_rounds(policy, True)) <= 1  # a probe of the schedule at most
+    assert first_rounds(policy, False) == alone
+    assert sum(first_rounds(policy, True)) <= 1
+
+
 def test_a_fresh_schedule_spaces_its_first_probe_by_what_a_probe_costs() -> None:
     """A probe of a translated draft on a GPU costs some five rounds without a draft
     (drafting, catching up, two rebuilds): a generation's first probe waits as many

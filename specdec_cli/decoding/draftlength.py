@@ -17,7 +17,7 @@ import math
 from bisect import bisect
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from specdec_cli.decoding.costmodel import Costs, verify_cost
 from specdec_cli.decoding.draft import Draft
@@ -279,6 +279,18 @@ class Pricing:
     first_gap: int  # rounds before a fresh schedule's first probe
 
 
+class Learnt(NamedTuple):
+    """What -k auto has learnt in a generation (see AutoLength.begin)."""
+
+    costs: RoundCosts
+    positions: PositionAcceptance
+    calibration: Calibration
+    rate: float  # tokens/s
+    idle: int  # rounds without a draft since the last probe
+    probe_gap: int  # rounds before the next probe
+    k: int  # the steady choice
+
+
 class AutoLength:
     """Draft as many tokens as maximise the expected tokens per second.
 
@@ -370,7 +382,7 @@ class AutoLength:
         self._pricings = {True: settled, False: alone}
         # Where the last invariant generation left its schedule: idle rounds, and the gap.
         self._invariant = False
-        self._invariant_probes = (0, self._pricings[True].first_gap)
+        self._invariant_learnt: Learnt | None = None  # where the last invariant one ended
         self.begin()
 
     def _pricing(self, costs: Costs) -> Pricing:
@@ -398,32 +410,53 @@ class AutoLength:
         return self.pricing.ladder
 
     def begin(self, invariant: bool = False) -> None:
-        """Everything learnt starts again from the measured costs and the prior: the
-        costs too, as an invariant generation (greedy, coupled) learns them from the
-        clock, and a rejection-sampled generation after it must draft as it would alone.
-        But an invariant generation goes on probing where the last one left off: its
-        text is the same whatever k, and a draft that stopped paying must not be probed
-        afresh at every request's start (one probe in a short generation can cost more
-        than speculation wins)."""
+        """A rejection-sampled generation starts again from the measured costs and the
+        prior: its text follows its draft lengths, and must be what it would be alone.
+        An invariant generation (greedy, coupled: its text is the same whatever k) goes
+        on from where the last invariant one left off: the acceptance it learnt, the
+        costs it followed on the clock, and its probing. The same drafter on the same
+        model guesses as well in the next request, and relearning it from the optimistic
+        prior at every request's start drafted where it did not pay, over and over (a
+        lookup whose guesses the target took two times in five on real prompts, priced
+        at first as if it were four in five); a draft that stopped paying must not be
+        probed afresh either."""
         if self._invariant:
-            self._invariant_probes = (self._idle, self._probe_gap)
+            self._invariant_learnt = self._learnt()
         self._invariant = invariant
         # This generation's pricing: its kind's measured costs, and what they decide.
         self.pricing = self._pricings[invariant]
-        self.costs = RoundCosts(self.pricing.costs)
-        self.positions = PositionAcceptance(self.k_max, self.prior, self.decay)
-        self.calibration = Calibration()
-        self.rate = 1.0 / self.pricing.costs.target_seconds  # tokens/s; target-only to start
-        # Rounds without a draft since the last probe, and before the next one.
-        fresh = (0, self.pricing.first_gap)
-        self._idle, self._probe_gap = self._invariant_probes if invariant else fresh
+        kept = self._invariant_learnt if invariant else None
+        if kept is None:
+            kept = Learnt(
+                RoundCosts(self.pricing.costs),
+                PositionAcceptance(self.k_max, self.prior, self.decay),
+                Calibration(),
+                1.0 / self.pricing.costs.target_seconds,  # tokens/s; target-only to start
+                0,
+                self.pricing.first_gap,
+                self.pricing.first_k,
+            )
+        self.costs, self.positions, self.calibration, self.rate = kept[:4]
+        # Rounds without a draft since the last probe, and before the next one; the
+        # steady choice of k.
+        self._idle, self._probe_gap, self._k = kept[4:]
         self._probing = False
         # The current round: its planned length, position estimates, and the chance
         # that the draft so far is accepted whole.
         self._plan = 0
         self._estimates: list[float] = []
         self._survive = 1.0
-        self._k = self.pricing.first_k  # the steady choice
+
+    def _learnt(self) -> Learnt:
+        return Learnt(
+            self.costs,
+            self.positions,
+            self.calibration,
+            self.rate,
+            self._idle,
+            self._probe_gap,
+            self._k,
+        )
 
     def _best_at(self, acceptance: float) -> int:
         """The best k if every draft token were accepted at this rate."""

@@ -29,6 +29,10 @@ if TYPE_CHECKING:
 
 LOOKUP_MIN_MATCH = 3  # with a draft model too; measured, see benchmarks/README.md
 VERBATIM_PRIOR = 0.99  # -k auto's first estimate for verbatim repeats (see NgramDrafter)
+# ...and for the lookup's other guesses: after a match of 2-4 tokens the target took them
+# two times in three on Spec-Bench's prompts (SmolLM2-135M-Instruct), nearly always where
+# a base model repeats itself (Gemma 3 270M): tests/data/lookup.
+LOOKUP_PRIOR = 0.7
 # ...and for a draft of another vocabulary, whose guesses reach the target through its
 # text (benchmarks/README.md, "Any draft for any target").
 TRANSLATED_PRIOR = 0.5
@@ -111,7 +115,9 @@ class Policy:
     def draft_length(self, kind: str, k: str, costs: Costs | None = None) -> DraftLength:
         """-k as the policy a drafter of this kind drafts by, priced with `costs` (None:
         the measured ones; a replay passes a modelled machine's)."""
-        if self.models.translation is not None and kind != "ngram":
+        if kind == "ngram":
+            return self._length(kind, k, costs, LOOKUP_PRIOR)
+        if self.models.translation is not None:
             return self._length(kind, k, costs, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
         return self._length(kind, k, costs)
 
