@@ -56,6 +56,7 @@ def open_engine(
     n_batch: int = 2048,
     flash_attn: str = "auto",
     tree: str = "auto",
+    ngram_min: int = DraftOptions.ngram_min,
 ) -> Engine:
     """`draft` is a model file, "ngram", or None."""
     return Engine(
@@ -68,7 +69,7 @@ def open_engine(
             threads=1,
             flash_attn=flash_attn,
             sampling=sampling,
-            drafting=DraftOptions(k=str(k), tree=tree),
+            drafting=DraftOptions(k=str(k), tree=tree, ngram_min=ngram_min),
         )
     )
 
@@ -614,7 +615,9 @@ def test_sampling_matches_target_distribution(
 ) -> None:
     """The first tokens of thousands of seeded runs: speculative vs target-only (by
     rejection sampling, which coupled sampling must match too)."""
-    with open_engine(target_model, draft_model, 4, sampling, tree=tree) as engine:
+    # Lookups from 1-gram matches: the most branches and the most misses, the verifier's
+    # hardest case (exact for any --ngram-min).
+    with open_engine(target_model, draft_model, 4, sampling, tree=tree, ngram_min=1) as engine:
         decoder = engine.make_decoder(drafter, k)
         speculative = first_tokens(engine, range(N_RUNS, 2 * N_RUNS), decoder)
         stats = Stats()
