@@ -16,10 +16,8 @@ from pathlib import Path
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 import pytest
-from ggufgen import Qwen35Params, spm_vocab, write_qwen35_model
 from mtmdgen import (
     COLORS,
-    ImageDims,
     VisionPair,
     png,
     write_mlp_projector,
@@ -30,7 +28,7 @@ from test_decode import contingency
 
 from specdec_cli.decoding import loading
 from specdec_cli.decoding.decode import Round, step
-from specdec_cli.decoding.engine import HEADS_WITH_MEDIA, NO_PROJECTOR, Engine
+from specdec_cli.decoding.engine import NO_PROJECTOR, Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.multimodal import Encodings, MediaPrompt
@@ -396,22 +394,6 @@ def test_a_projector_for_another_model_is_refused_before_loading(
     monkeypatch.setattr(loading, "Model", None)  # nothing may load
     with pytest.raises(UserError, match="it was made for another model"):
         Engine(engine_options(pair, mmproj=other))
-
-
-def test_images_with_a_drafting_head_are_refused(tmp_path: Path) -> None:
-    """A head drafts from the target's hidden states, and those over an image's cells are
-    not handed to it yet: one line, before the prompt is read; without drafting, served."""
-    target = write_qwen35_model(tmp_path / "qwen35-mtp.gguf", spm_vocab(), Qwen35Params(), seed=1)
-    dims = ImageDims(mark=60, red=61, blue=62, n_embd=Qwen35Params().n_embd)
-    mmproj, *_ = write_mlp_projector(tmp_path / "mmproj.gguf", dims)
-    options = EngineOptions(target, mmproj=mmproj, n_ctx=256, threads=1, flash_attn="off")
-    with Engine(options) as engine:
-        assert engine.head is not None
-        with pytest.raises(UserError) as err:
-            engine.media_prompt(MARKER + QUESTION, [image("red")])
-        assert str(err.value) == HEADS_WITH_MEDIA
-        with engine.media_prompt(MARKER + QUESTION, [image("red")], drafts=False) as prompt:
-            assert len(prompt.media) == 1
 
 
 def test_a_draft_of_another_vocabulary(pair: VisionPair, stories260k: Path) -> None:

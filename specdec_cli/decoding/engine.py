@@ -36,7 +36,6 @@ from specdec_cli.models.chat import (
 )
 
 NO_PROJECTOR = "this model takes no images or audio: add --mmproj (the model's mmproj-*.gguf file)"
-HEADS_WITH_MEDIA = "images with drafting heads: not yet; use -d ngram or a draft model"
 
 
 class Engine(LoadedModels):
@@ -143,10 +142,6 @@ class Engine(LoadedModels):
         engine was loaded to (else it runs the target alone). The caller closes it."""
         if self.encodings is None:
             raise UserError(NO_PROJECTOR)
-        if drafts and self.head is not None:
-            # A head reads the target's hidden states, and those over media's cells are not
-            # handed to it yet (mtmd.Projector.decode's on_batch is where they would be).
-            raise UserError(HEADS_WITH_MEDIA)
         prompt = self.encodings.projector.tokenize(text, media)
         return MediaPrompt.of_chunks(prompt, self.encodings)
 

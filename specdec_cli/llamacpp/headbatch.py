@@ -2,7 +2,15 @@
 extended batch (llama.cpp's llama_batch_ext) of its next decode call, which holds every
 slot's rows. A row is a token at a position in a sequence, beside a hidden state
 (`Rows`); a DFlash or EAGLE-3 file also takes feature rows (the target's layer inputs,
-`features`)."""
+`features`).
+
+Positions are the target's. At those an image or audio clip spans, a row's token is its
+placeholder (negative): llama.cpp's head graphs take a token beside a state, never an
+embedding beside one, so such a row reads a stand-in token beside the target's state
+there (`stand_in`), or, where the head's positions may jump (M-RoPE: llama.cpp lets a
+sequence skip positions only there), is left out: a gap in its cache, which the text
+after it reads past.
+"""
 
 from __future__ import annotations
 
@@ -62,10 +70,17 @@ class HeadBatch:
     """A head's llama.cpp context, shared by its slots, and the batch of its next call."""
 
     def __init__(
-        self, ptr: llama_cpp.llama_context_p, n_vocab: int, n_embd: int, n_ubatch: int
+        self,
+        ptr: llama_cpp.llama_context_p,
+        n_vocab: int,
+        n_embd: int,
+        n_ubatch: int,
+        stand_in: int | None,
     ) -> None:
+        """`stand_in`: the token of rows at media positions (None: they are left out)."""
         self.ptr: llama_cpp.llama_context_p | None = ptr
         self.n_vocab, self.n_embd, self.n_ubatch = n_vocab, n_embd, n_ubatch
+        self.stand_in = stand_in
         self.batch = llama_cpp.llama_batch_ext_init(ptr)
         self.now_batch = llama_cpp.llama_batch_ext_init(ptr)  # calls made at once
         self.encoded = ctypes.c_float * (n_ubatch * n_embd)
@@ -89,18 +104,23 @@ class HeadBatch:
             raise RuntimeError(f"rows for MTP blocks {self.head} and {head} in one call")
         self.head = head
         logits_from = 0 if every_row or slot.logits_every_row else len(rows.tokens) - 1
-        slot._first = self._add(self.batch, slot, rows, logits_from)
-        slot._out = slot._first + len(rows.tokens) - 1
+        slot._first, n = self._add(self.batch, slot, rows, logits_from)
+        slot._out = slot._first + n - 1
         self.staged.append(slot)
-        self.n_staged += len(rows.tokens)
+        self.n_staged += n
 
     def _add(
         self, batch: llama_cpp.llama_batch_ext_p, slot: HeadContext, rows: Rows, logits_from: int
-    ) -> int:
-        """Add token rows to `batch`, those from `logits_from` on with logits; return the
-        first one's batch place."""
-        place, idx, hidden = self._pos, -1, rows.hidden
+    ) -> tuple[int, int]:
+        """Add token rows to `batch`, those from `logits_from` on with logits (rows at
+        media positions: see the module's docstring); return the first one's batch
+        place, and how many it added."""
+        place, idx, n, hidden = self._pos, -1, 0, rows.hidden
         for i, token in enumerate(rows.tokens):
+            if token < 0:
+                if self.stand_in is None:
+                    continue
+                token = self.stand_in
             seq = slot.seq if rows.seqs is None else slot.seq + rows.seqs[i]
             idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
@@ -111,7 +131,8 @@ class HeadBatch:
                 llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
             if i >= logits_from:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-        return idx - len(rows.tokens) + 1  # a batch numbers its rows in order
+            n += 1
+        return idx - n + 1, n  # a batch numbers its rows in order
 
     def decode_now(self, slot: HeadContext, rows: Rows, head: int = 0) -> None:
         """Decode the slot's rows now, without logits, in a batch apart (a ubatch a call),
@@ -123,7 +144,8 @@ class HeadBatch:
         t0 = time.perf_counter()
         for start in range(0, len(rows.tokens), self.n_ubatch):
             part = rows.part(slice(start, start + self.n_ubatch))
-            self._add(batch, slot, part, len(part.tokens))
+            if not self._add(batch, slot, part, len(part.tokens))[1]:
+                continue
             status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
             llama_cpp.llama_batch_ext_clear(batch)
             if status != 0:
@@ -139,14 +161,18 @@ class HeadBatch:
             self._head_set = head
 
     def features(
-        self, seq: int, pos: int, features: np.ndarray, out: np.ndarray | None = None
+        self,
+        seq: int,
+        positions: Sequence[int],
+        features: np.ndarray,
+        out: np.ndarray | None = None,
     ) -> float:
-        """Process rows of `features` at positions pos, pos + 1, ... now, a ubatch a call,
-        and return the seconds it took. With `out`: EAGLE-3's encoder, whose output for
-        each row goes there (it reads no positions, but llama.cpp wants them to follow the
-        sequence's memory); without: a DFlash decode that puts them into the cache, with
-        no output (positions as llama.cpp's driver gives feature rows: M-RoPE's text
-        three, and 0)."""
+        """Process rows of `features` at `positions` now, a ubatch a call, and return the
+        seconds it took. With `out`: EAGLE-3's encoder, whose output for each row goes
+        there (it reads no positions, but llama.cpp wants them to follow the sequence's
+        memory); without: a DFlash decode that puts them into the cache, with no output
+        (positions as llama.cpp's driver gives feature rows: M-RoPE's text three, and
+        0)."""
         features = np.ascontiguousarray(features, np.float32)
         batch, place = self.now_batch, self._feature_pos
         encode = out is not None
@@ -160,7 +186,7 @@ class HeadBatch:
             stop = min(start + self.n_ubatch, len(features))
             for i in range(start, stop):
                 idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, self._feature.at(features, i))
-                place[0] = place[1] = place[2] = pos + i
+                place[0] = place[1] = place[2] = positions[i]
                 llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, encode)
             status = llama_cpp.llama_process(self.ptr, process, batch)

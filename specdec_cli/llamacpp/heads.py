@@ -34,6 +34,11 @@ target's before it, then its own), and reads the target's cache up to there (`st
 
 Slots split a head's context as Context.split splits the target: one llama.cpp context
 serves every slot, and one call decodes every slot's staged rows.
+
+Beside images and audio, a head holds the target's positions: `tokens` is the text by
+position, each media's placeholder at the positions it spans, and each row there reads
+the target's state at that position (see headbatch.py for the token beside it). An
+assistant reads the target's cache, media and all.
 """
 
 from __future__ import annotations
@@ -54,6 +59,26 @@ from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context, Model
 # The architectures whose MTP graph gives a state for the rows with logits only (it
 # gathers them first): the others give one for every row.
 MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
+# Rotary kinds whose positions come in sections (M-RoPE): only there does llama.cpp let
+# a sequence's positions jump ahead (llama_batch_allocr's checks).
+SECTIONED_ROPE = frozenset(
+    {
+        llama_cpp.LLAMA_ROPE_TYPE_MROPE,
+        llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
+        llama_cpp.LLAMA_ROPE_TYPE_VISION,
+    }
+)
+
+
+def stand_in(model: Model, target: Model) -> int | None:
+    """The token a head over `model` reads at a media position (see headbatch.py): None
+    where its positions may jump (M-RoPE), and the row is left out; else the target's
+    padding token (0 where it has none), a token no text is made of. What the row says
+    of the media is the target's state beside it."""
+    if llama_cpp.llama_model_rope_type(model.ptr) in SECTIONED_ROPE:
+        return None
+    pad = llama_cpp.llama_vocab_pad(llama_cpp.llama_model_get_vocab(target.ptr))
+    return pad if pad >= 0 else 0
 
 
 def _metadata(model: Model, key: str) -> str | None:
@@ -117,7 +142,9 @@ class HeadContext:
         masked = _metadata(model, "general.architecture") in MTP_STATES_OF_OUTPUTS_ONLY
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, masked)
         n_embd = self._state_width(model)
-        self._shared = HeadBatch(ptr, target.model.n_vocab, n_embd, cparams.n_ubatch)
+        self._shared = HeadBatch(
+            ptr, target.model.n_vocab, n_embd, cparams.n_ubatch, stand_in(model, target.model)
+        )
         self._memory = self._own_memory(ptr)
         self._owner = True
         self.model = model
@@ -319,7 +346,8 @@ class Eagle3Head(MtpHead):
         """Its encoder's reading of the target's layer inputs: an extra call, which its
         own memory does not see."""
         out = np.empty((len(rows), self.n_embd), np.float32)
-        self._shared.features(self.seq, len(self.tokens), rows, out)
+        pos = len(self.tokens)
+        self._shared.features(self.seq, range(pos, pos + len(rows)), rows, out)
         return out
 
 
@@ -390,8 +418,18 @@ class DFlashHead(HeadContext):
 
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """Put the target's layer inputs at the positions of `tokens` (after the sequence)
-        into the drafter's cache, now, as llama.cpp's driver does per sequence."""
-        self.decode_seconds += self._shared.features(self.seq, len(self.tokens), features)
+        into the drafter's cache, now, as llama.cpp's driver does per sequence. A media's
+        positions take its rows too (feature rows need no token), but where the
+        drafter's positions may jump (M-RoPE, see headbatch.py), which llama.cpp's driver
+        leaves out as well: M-RoPE pins an image's rows to one position, which a sliding
+        window's cache could not hold."""
+        first = len(self.tokens)
+        kept = range(len(tokens))
+        if self._shared.stand_in is None and min(tokens, default=0) < 0:
+            kept = [i for i, token in enumerate(tokens) if token >= 0]
+            features = features[kept]
+        positions = [first + i for i in kept]
+        self.decode_seconds += self._shared.features(self.seq, positions, features)
         self.tokens.extend(tokens)
 
     def stage_block(self, last: int, k: int) -> None:
