@@ -6,10 +6,11 @@ slot's rows. A row is a token at a position in a sequence, beside a hidden state
 
 Positions are the target's. At those an image or audio clip spans, a row's token is its
 placeholder (negative): llama.cpp's head graphs take a token beside a state, never an
-embedding beside one, so such a row reads a stand-in token beside the target's state
-there (`stand_in`), or, where the head's positions may jump (M-RoPE: llama.cpp lets a
-sequence skip positions only there), is left out: a gap in its cache, which the text
-after it reads past.
+embedding beside one (a row of an embedding alone reads it as both), so such a row reads
+a stand-in token (`stand_in`) beside the target's state there. Leaving such rows out
+would leave a gap in the head's positions, which llama.cpp refuses except under M-RoPE
+(llama_batch_allocr wants a sequence's positions to follow on), and keep from the head
+what the target made of the media.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class HeadBatch:
         n_vocab: int,
         n_embd: int,
         n_ubatch: int,
-        stand_in: int | None,
+        stand_in: int,
     ) -> None:
-        """`stand_in`: the token of rows at media positions (None: they are left out)."""
+        """`stand_in`: the token of rows at media positions."""
         self.ptr: llama_cpp.llama_context_p | None = ptr
         self.n_vocab, self.n_embd, self.n_ubatch = n_vocab, n_embd, n_ubatch
         self.stand_in = stand_in
@@ -104,24 +105,21 @@ class HeadBatch:
             raise RuntimeError(f"rows for MTP blocks {self.head} and {head} in one call")
         self.head = head
         logits_from = 0 if every_row or slot.logits_every_row else len(rows.tokens) - 1
-        slot._first, n = self._add(self.batch, slot, rows, logits_from)
-        slot._out = slot._first + n - 1
+        slot._first = self._add(self.batch, slot, rows, logits_from)
+        slot._out = slot._first + len(rows.tokens) - 1
         self.staged.append(slot)
-        self.n_staged += n
+        self.n_staged += len(rows.tokens)
 
     def _add(
         self, batch: llama_cpp.llama_batch_ext_p, slot: HeadContext, rows: Rows, logits_from: int
-    ) -> tuple[int, int]:
-        """Add token rows to `batch`, those from `logits_from` on with logits (rows at
-        media positions: see the module's docstring); return the first one's batch
-        place, and how many it added."""
-        place, idx, n, hidden = self._pos, -1, 0, rows.hidden
+    ) -> int:
+        """Add token rows to `batch`, those from `logits_from` on with logits (a
+        placeholder's read `stand_in`); return the first one's batch place."""
+        place, idx, hidden = self._pos, -1, rows.hidden
         for i, token in enumerate(rows.tokens):
-            if token < 0:
-                if self.stand_in is None:
-                    continue
-                token = self.stand_in
             seq = slot.seq if rows.seqs is None else slot.seq + rows.seqs[i]
+            if token < 0:
+                token = self.stand_in
             idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
@@ -131,8 +129,7 @@ class HeadBatch:
                 llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
             if i >= logits_from:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
-            n += 1
-        return idx - n + 1, n  # a batch numbers its rows in order
+        return idx - len(rows.tokens) + 1  # a batch numbers its rows in order
 
     def decode_now(self, slot: HeadContext, rows: Rows, head: int = 0) -> None:
         """Decode the slot's rows now, without logits, in a batch apart (a ubatch a call),
@@ -144,8 +141,7 @@ class HeadBatch:
         t0 = time.perf_counter()
         for start in range(0, len(rows.tokens), self.n_ubatch):
             part = rows.part(slice(start, start + self.n_ubatch))
-            if not self._add(batch, slot, part, len(part.tokens))[1]:
-                continue
+            self._add(batch, slot, part, len(part.tokens))
             status = llama_cpp.llama_process(self.ptr, llama_cpp.LLAMA_PROCESS_TYPE_DECODE, batch)
             llama_cpp.llama_batch_ext_clear(batch)
             if status != 0:

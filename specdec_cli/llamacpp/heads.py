@@ -59,24 +59,12 @@ from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context, Model
 # The architectures whose MTP graph gives a state for the rows with logits only (it
 # gathers them first): the others give one for every row.
 MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
-# Rotary kinds whose positions come in sections (M-RoPE): only there does llama.cpp let
-# a sequence's positions jump ahead (llama_batch_allocr's checks).
-SECTIONED_ROPE = frozenset(
-    {
-        llama_cpp.LLAMA_ROPE_TYPE_MROPE,
-        llama_cpp.LLAMA_ROPE_TYPE_IMROPE,
-        llama_cpp.LLAMA_ROPE_TYPE_VISION,
-    }
-)
 
 
-def stand_in(model: Model, target: Model) -> int | None:
-    """The token a head over `model` reads at a media position (see headbatch.py): None
-    where its positions may jump (M-RoPE), and the row is left out; else the target's
-    padding token (0 where it has none), a token no text is made of. What the row says
-    of the media is the target's state beside it."""
-    if llama_cpp.llama_model_rope_type(model.ptr) in SECTIONED_ROPE:
-        return None
+def stand_in(target: Model) -> int:
+    """The token a head reads at a media position (see headbatch.py): the target's
+    padding token (0 where it has none), which no text is made of. What the row says of
+    the media is the target's state beside it."""
     pad = llama_cpp.llama_vocab_pad(llama_cpp.llama_model_get_vocab(target.ptr))
     return pad if pad >= 0 else 0
 
@@ -143,7 +131,7 @@ class HeadContext:
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, masked)
         n_embd = self._state_width(model)
         self._shared = HeadBatch(
-            ptr, target.model.n_vocab, n_embd, cparams.n_ubatch, stand_in(model, target.model)
+            ptr, target.model.n_vocab, n_embd, cparams.n_ubatch, stand_in(target.model)
         )
         self._memory = self._own_memory(ptr)
         self._owner = True
@@ -418,17 +406,13 @@ class DFlashHead(HeadContext):
 
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """Put the target's layer inputs at the positions of `tokens` (after the sequence)
-        into the drafter's cache, now, as llama.cpp's driver does per sequence. A media's
-        positions take its rows too (feature rows need no token), but where the
-        drafter's positions may jump (M-RoPE, see headbatch.py), which llama.cpp's driver
-        leaves out as well: M-RoPE pins an image's rows to one position, which a sliding
-        window's cache could not hold."""
+        into the drafter's cache, now, as llama.cpp's driver does per sequence; a media's
+        positions too (feature rows need no token). Under M-RoPE an image's positions are
+        fewer than its cells, a state each: llama.cpp's driver, which would put every
+        cell at one position, where a sliding window's cache cannot hold them, leaves
+        M-RoPE images out."""
         first = len(self.tokens)
-        kept = range(len(tokens))
-        if self._shared.stand_in is None and min(tokens, default=0) < 0:
-            kept = [i for i, token in enumerate(tokens) if token >= 0]
-            features = features[kept]
-        positions = [first + i for i in kept]
+        positions = range(first, first + len(tokens))
         self.decode_seconds += self._shared.features(self.seq, positions, features)
         self.tokens.extend(tokens)
 
