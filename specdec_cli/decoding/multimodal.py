@@ -87,6 +87,12 @@ class MediaChunk:
     n_pos: int
     draft: MediaChunk | None = None
 
+    @classmethod
+    def of(
+        cls, chunk: Chunk, encodings: Encodings, mark: int, draft: MediaChunk | None = None
+    ) -> MediaChunk:
+        return cls(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos, draft)
+
     def decode(
         self,
         ctx: llama_cpp.llama_context_p,
@@ -110,36 +116,61 @@ class MediaPrompt:
         self,
         tokens: list[int],
         media: dict[int, MediaChunk] | None = None,
-        chunks: Prompt | None = None,
+        chunks: tuple[Prompt, ...] = (),
     ) -> None:
         self.tokens = tokens
         self.media = media or {}
         self._chunks = chunks
 
     @classmethod
-    def of_chunks(cls, prompt: Prompt, encodings: Encodings) -> MediaPrompt:
+    def of_chunks(
+        cls,
+        prompt: Prompt,
+        encodings: Encodings,
+        draft: Prompt | None = None,
+        draft_encodings: Encodings | None = None,
+    ) -> MediaPrompt:
+        """The prompt libmtmd tokenized; with `draft`, the same prompt as the draft model's
+        projector tokenized it (each media's MediaChunk.draft, where it made the same
+        cells: else the draft reads the text alone)."""
+        if draft is not None and not same_cells(prompt, draft):
+            draft.close()
+            draft = None
+        drafts = draft.chunks if draft is not None else [None] * len(prompt.chunks)
         tokens: list[int] = []
         media: dict[int, MediaChunk] = {}
-        for chunk in prompt.chunks:
+        for chunk, draft_chunk in zip(prompt.chunks, drafts, strict=True):
             if chunk.kind == "text":
                 tokens += chunk.tokens
                 continue
             if chunk.id is None:
                 raise RuntimeError(f"libmtmd gave {chunk.kind} without an id")
             mark = placeholder(chunk.id)
-            media[mark] = MediaChunk(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos)
+            own = None
+            if draft_chunk is not None and draft_encodings is not None:
+                own = MediaChunk.of(draft_chunk, draft_encodings, mark)
+            media[mark] = MediaChunk.of(chunk, encodings, mark, own)
             tokens += [mark] * chunk.n_tokens
-        return cls(tokens, media, prompt)
+        return cls(tokens, media, (prompt,) if draft is None else (prompt, draft))
 
     def close(self) -> None:
-        if self._chunks is not None:
-            self._chunks.close()
+        for chunks in self._chunks:
+            chunks.close()
 
     def __enter__(self) -> MediaPrompt:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def same_cells(prompt: Prompt, other: Prompt) -> bool:
+    """Whether two projectors made the same cells of a prompt: the same text tokens, and
+    each media as many cells (a draft's own may take other positions)."""
+    return len(prompt.chunks) == len(other.chunks) and all(
+        (a.kind, a.tokens, a.id, a.n_tokens) == (b.kind, b.tokens, b.id, b.n_tokens)
+        for a, b in zip(prompt.chunks, other.chunks, strict=True)
+    )
 
 
 def media_starts(tokens: list[int], media: Mapping[int, MediaCells]) -> list[int]:
