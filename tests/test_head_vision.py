@@ -9,6 +9,7 @@ recorded for the head; sampled text after an image follows the target's distribu
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,8 @@ import pytest
 from headvisiongen import KINDS, HeadVision, image_dims, write_head_vision
 from mtmdgen import COLORS, png
 from scipy.stats import chi2_contingency
+from test_cli_run import GREEDY as CLI_GREEDY
+from test_cli_run import specdec
 from test_decode import contingency
 
 from specdec_cli.decoding.decode import Round, step
@@ -253,3 +256,18 @@ def test_sampled_text_after_an_image_drafted_by_a_head(eagle3: HeadVision) -> No
         assert table.shape[1] > 2  # a real distribution, not one forced token
         assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
     assert chi2_contingency(contingency(alone[:, 0], control[:, 0])).pvalue < 1e-3
+
+
+def test_run_with_a_head_and_an_image(eagle3: HeadVision, tmp_path: Path) -> None:
+    """`specdec run -d eagle3.gguf --image`: the target's own answer to the image."""
+    picture = tmp_path / "blue.png"
+    picture.write_bytes(png(16, 16, COLORS["blue"]))
+    args = ["run", "-m", str(eagle3.target), "--mmproj", str(eagle3.mmproj), "--image"]
+    args += [str(picture), "-p", "What colour is it?", "--chat", "-n", str(N), "-k", "3"]
+    records = []
+    for drafting in (["-d", str(eagle3.head)], ["-d", "none"]):
+        result = specdec(*args, *drafting, *CLI_GREEDY, "-fa", "off", "-c", "256", "--json")
+        assert result.returncode == 0, result.stderr
+        records.append(json.loads(result.stdout))
+    assert records[0]["text"] == records[1]["text"]
+    assert records[0]["accepted"] > 0
