@@ -22,9 +22,9 @@ from mtmdgen import write_vision_pair as write_pair
 from test_cli_run import GREEDY, assert_user_error, specdec
 from test_serve_vision import expected, image_part
 from test_server import start
+from test_vision import in_slots
 
 from specdec_cli.decoding import loading
-from specdec_cli.decoding.decode import step
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.multimodal import MediaPrompt
 from specdec_cli.decoding.sampling import SamplingParams
@@ -138,20 +138,9 @@ def test_slots_with_images_and_without(pair: VisionPair) -> None:
     drafting = DraftOptions(k="3", tree="off")
     with Engine(options(pair, own=True, parallel=3, drafting=drafting)) as engine:
         prompts = [chat(engine, c) for c in colours]
-        generations = [
-            decoder.start(p.tokens, N, np.random.default_rng(0), Stats(), media=p.media)
-            for decoder, p in zip(engine.decoders, prompts, strict=True)
-        ]
-        texts: list[list[int]] = [[] for _ in colours]
-        while running := [i for i, g in enumerate(generations) if not g.finished]:
-            step([generations[i] for i in running])
-            for i in running:
-                texts[i] += generations[i].round.tokens if generations[i].round else []
-        for g, p in zip(generations, prompts, strict=True):
-            g.close()
-            p.close()
+        texts, stats = in_slots(engine, prompts, N)
     assert texts == [pair.greedy(c, N) for c in colours]
-    assert all(g.stats.accepted == g.stats.drafted for g in generations)
+    assert all(s.accepted == s.drafted for s in stats)
 
 
 @pytest.fixture(scope="module")
