@@ -203,7 +203,7 @@ class AssistantDrafter(HeadDrafter):
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
         tokens = request.tokens
-        self._last = len(self._sequence(tokens)) - 1
+        self._last = len(tokens) - 1 + (self.media.extra_positions if self.media else 0)
         state = self.states.after(self._last - 1, self._last)
         self.states.forget_before(self._last)
         self.head.stage_at(tokens[-1:], self._last, state)

@@ -212,6 +212,11 @@ class PromptMedia:
         """The cells the target holds beyond the text: every media's."""
         return len(self.cells) - self.n_text
 
+    @property
+    def extra_positions(self) -> int:
+        """The positions the target's media take beyond the text's."""
+        return len(self._by_position) - self.n_text
+
     def cells_of(self, text: list[int]) -> list[int]:
         """What the target holds, given the text (the prompt's and what followed)."""
         return self.cells + text[self.n_text :]
