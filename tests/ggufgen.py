@@ -968,30 +968,53 @@ def write_eagle3_known_answer(
     """A llama target and an EAGLE-3 head for it whose answers follow from tables:
 
     - the target writes a cycle, every layer's input the token (see _cycle_target);
-    - the head (target_layers 0, 1 and 2, the last the final state): its encoder passes
-      layer 0's input on, so at position p its state is the token x_p; its block adds
-      nothing, and its output maps a good token a to succ(succ(a)), the token after the
-      one that follows (its row at p reads x_{p+1}), a bad one to succ(succ(succ(a))).
-      Its next step reads its own state, the same x_p, and drafts the same token again:
-      a round's first draft is right where x_p is good, its later ones never. Without
-      the target's states it drafts token 0. Its embeddings are the target's (ctx_other).
+    - the head: see write_eagle3_head.
 
-    `temper` > 0 softens both outputs for sampling (see _answers). `block_scale` > 0 lets
-    the head's block add that much of a random layer's output to its state: its states,
-    and so its logits, then differ with every token it reads, its drafts hardly.
-    `second` > 0: where its answer is wrong, its second choice is right, at that share
-    of the first's logit (a tree's alternative then finds what its chain misses).
+    `temper` > 0 softens both outputs for sampling (see _answers).
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
     n_embd = -(-n_vocab // 64) * 64
     hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
     target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
+    head_path = write_eagle3_head(
+        folder / "eagle3.gguf", vocab, hp, ka, rng, temper, block_scale, second
+    )
+    return target_path, head_path, ka
+
+
+def write_eagle3_head(
+    path: Path,
+    vocab: Vocab,
+    hp: HParams,
+    ka: Eagle3KnownAnswer,
+    rng: np.random.Generator,
+    temper: float = 0.0,
+    block_scale: float = 0.0,
+    second: float = 0.0,
+) -> Path:
+    """An EAGLE-3 head for a llama target of shape `hp` whose layer 0 reads the one-hot
+    token (token t in dimension t), answering from tables: target_layers 0, 1 and 2 (the
+    last the final state); its encoder passes layer 0's input on, so at position p its
+    state is the token x_p; its block adds nothing, and its output maps a token a to
+    ka.answer[a] (the token after the one that follows, succ(succ(a)), for a good one;
+    its row at p reads x_{p+1}). Its next step reads its own state, the same x_p, and
+    drafts the same token again: a round's first draft is right where x_p is good, its
+    later ones never. Without the target's states it drafts token 0. Its embeddings are
+    the target's (ctx_other).
+
+    `temper` > 0 softens its output for sampling (see _answers). `block_scale` > 0 lets
+    its block add that much of a random layer's output to its state: its states, and so
+    its logits, then differ with every token it reads, its drafts hardly. `second` > 0:
+    where its answer is wrong, its second choice is right, at that share of the first's
+    logit (a tree's alternative then finds what its chain misses).
+    """
+    n_vocab, n_embd = len(vocab), hp.n_embd
     answer = ka.answer
     normal = np.flatnonzero(np.asarray(vocab.types) == TokenType.NORMAL)
     fc = np.zeros((n_embd, 3 * n_embd), np.float32)
     fc[:, :n_embd] = np.eye(n_embd, dtype=np.float32)  # layer 0's input passed on
-    block = llama_block(rng, 0, n_embd, hp.n_head, hp.n_head_kv, hp.n_ff, out_scale=block_scale)
+    block = llama_block(rng, 0, n_embd, 4, 4, 64, out_scale=block_scale)
     block = {name: w for name, w in block.items() if "attn_" in name or "ffn_" in name}
     block["blk.0.attn_norm_2.weight"] = np.ones(n_embd, dtype=np.float32)
     for name in ("attn_q", "attn_k", "attn_v"):  # they read [embedding, state]
@@ -1013,8 +1036,7 @@ def write_eagle3_known_answer(
     keys["target_layers"] = GGUFValue([0, 1, 2], GGUFValueType.ARRAY, GGUFValueType.INT32)
     keys["target_hidden_size"] = _u32(n_embd)
     metadata = with_architecture(llama_metadata(hp, vocab), "eagle3", keys)
-    head_path = write_gguf(folder / "eagle3.gguf", metadata, head)
-    return target_path, head_path, ka
+    return write_gguf(path, metadata, head)
 
 
 def write_mtp_sidecar(path: Path, model: Path) -> Path:

@@ -25,6 +25,10 @@ token. A second layer, random and weak, makes logits depend on positions (relati
 through rotary attention) without changing any argmax: a decode at the wrong position
 shows in the logits.
 
+`echo=True` makes the colour words lead to a newline (a non-piece token), after which the
+image decides again: the answer repeats the colour, "red\\nred\\n...". A draft that does not
+see the image misses every colour word but the first (which the target itself writes).
+
 `mrope=True` writes the Qwen2-VL pair instead: a `qwen2vl` target (M-RoPE: an image's
 tokens share one temporal position and take rows and columns in the others, so an image
 advances positions by max(rows, columns), not by its token count) and a
@@ -100,13 +104,15 @@ class VisionPair:
     image_size: int  # pixels a side of the images the tests send
     n_image_tokens: int  # embeddings of one such image
     n_image_pos: int  # positions one such image advances by
+    newline: int | None = None  # with `echo`: the colour words' successor
 
     def greedy(self, colour: str | None, n: int) -> list[int]:
         """The first n tokens the target writes after a prompt that ends in a non-piece
         token, with an image of that colour before it (None: no image)."""
-        out = [self.answer.get(colour or "", self.default)]
+        first = self.answer.get(colour or "", self.default)
+        out = [first]
         while len(out) < n:
-            out.append(int(self.succ[out[-1]]))
+            out.append(first if out[-1] == self.newline else int(self.succ[out[-1]]))
         return out
 
 
@@ -121,8 +127,11 @@ def vision_vocab() -> Vocab:
     )
 
 
-def write_vision_pair(folder: Path, mrope: bool = False, seed: int = 0) -> VisionPair:
-    """The target (`target.gguf`) and projector (`mmproj.gguf`) in `folder`."""
+def write_vision_pair(
+    folder: Path, mrope: bool = False, seed: int = 0, echo: bool = False
+) -> VisionPair:
+    """The target (`target.gguf`) and projector (`mmproj.gguf`) in `folder` (see the
+    module's docstring for `mrope` and `echo`)."""
     rng = np.random.default_rng(seed)
     vocab = vision_vocab()
     n_vocab = len(vocab)
@@ -133,6 +142,9 @@ def write_vision_pair(folder: Path, mrope: bool = False, seed: int = 0) -> Visio
     answer = {"red": ids["▁red"], "blue": ids["▁blue"]}
     succ = successor_cycle(vocab, rng)
     default = int(succ[0])  # where every non-piece token leads: the cycle's start
+    newline = ids["<0x0A>"] if echo else None
+    if newline is not None:
+        succ[[answer["red"], answer["blue"]]] = newline
 
     tensors = _target_tensors(rng, vocab, hp, succ, default, [answer["red"], answer["blue"]])
     tensors |= _image_reader(dims)
@@ -151,7 +163,9 @@ def write_vision_pair(folder: Path, mrope: bool = False, seed: int = 0) -> Visio
 
     write = write_qwen2vl_projector if mrope else write_mlp_projector
     mmproj, size, n_tokens, n_pos = write(folder / "mmproj.gguf", dims, seed)
-    return VisionPair(target, mmproj, vocab, succ, default, answer, dims, size, n_tokens, n_pos)
+    return VisionPair(
+        target, mmproj, vocab, succ, default, answer, dims, size, n_tokens, n_pos, newline
+    )
 
 
 def _target_tensors(

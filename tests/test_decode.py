@@ -383,7 +383,7 @@ class WrongDrafter:
     def __init__(self, reference: list[int], n_prompt: int, n_vocab: int) -> None:
         self.reference, self.n_prompt, self.n_vocab = reference, n_prompt, n_vocab
 
-    def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
+    def begin(self, prompt: list[int], sampling=None, noise=None, media=None) -> None:
         pass
 
     def drafting(self, request: DraftRequest) -> DraftSteps:

@@ -22,7 +22,7 @@ class StandInModel:
     def __init__(self, guess) -> None:
         self.guess = guess
 
-    def begin(self, prompt: list[int], sampling=None, noise=None) -> None:
+    def begin(self, prompt: list[int], sampling=None, noise=None, media=None) -> None:
         pass
 
     def drafting(self, request: DraftRequest) -> DraftSteps:

@@ -173,11 +173,11 @@ def record_trees(target: Path, head: Path, mp: pytest.MonkeyPatch) -> tuple[Roun
         HeadContext.logits,
     )
 
-    def drafting_recorded(self, tokens, *args, **kwargs):
-        rounds.append((list(tokens), {}))
+    def drafting_recorded(self, request):
+        rounds.append((list(request.tokens), {}))
         paths.clear()
         paths[-1] = ()
-        return drafting(self, tokens, *args, **kwargs)
+        return drafting(self, request)
 
     def stage_nodes_recorded(self, tokens, positions, seqs, parent_rows):
         rows = {

@@ -16,10 +16,8 @@ from pathlib import Path
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 import pytest
-from ggufgen import Qwen35Params, spm_vocab, write_qwen35_model
 from mtmdgen import (
     COLORS,
-    ImageDims,
     VisionPair,
     png,
     write_mlp_projector,
@@ -30,7 +28,7 @@ from test_decode import contingency
 
 from specdec_cli.decoding import loading
 from specdec_cli.decoding.decode import Round, step
-from specdec_cli.decoding.engine import HEADS_WITH_MEDIA, NO_PROJECTOR, Engine
+from specdec_cli.decoding.engine import NO_PROJECTOR, Engine
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.multimodal import Encodings, MediaPrompt
@@ -227,20 +225,29 @@ def test_slots_with_images_and_without(pair: VisionPair) -> None:
     colours = ["red", None, "blue", "red"]
     with Engine(engine_options(pair, parallel=4)) as engine:
         prompts = [prompt_for(engine, [c] if c else []) for c in colours]
-        generations = [
-            decoder.start(p.tokens, N, np.random.default_rng(0), Stats(), media=p.media)
-            for decoder, p in zip(engine.decoders, prompts, strict=True)
-        ]
-        texts: list[list[int]] = [[] for _ in colours]
-        while running := [i for i, g in enumerate(generations) if not g.finished]:
-            step([generations[i] for i in running])
-            for i in running:
-                texts[i] += generations[i].round.tokens if generations[i].round else []
-        for g, p in zip(generations, prompts, strict=True):
-            g.close()
-            p.close()
+        texts, stats = in_slots(engine, prompts, N)
     assert texts == [pair.greedy(c, N) for c in colours]
-    assert sum(g.stats.accepted for g in generations) > 0
+    assert sum(s.accepted for s in stats) > 0
+
+
+def in_slots(
+    engine: Engine, prompts: list[MediaPrompt], n: int
+) -> tuple[list[list[int]], list[Stats]]:
+    """Each prompt's n tokens in a slot of its own (greedy), all verified in the same
+    decode calls; the prompts are closed after."""
+    generations = [
+        decoder.start(p.tokens, n, np.random.default_rng(0), Stats(), media=p.media)
+        for decoder, p in zip(engine.decoders, prompts, strict=True)
+    ]
+    texts: list[list[int]] = [[] for _ in prompts]
+    while running := [i for i, g in enumerate(generations) if not g.finished]:
+        step([generations[i] for i in running])
+        for i in running:
+            texts[i] += generations[i].round.tokens if generations[i].round else []
+    for g, p in zip(generations, prompts, strict=True):
+        g.close()
+        p.close()
+    return texts, [g.stats for g in generations]
 
 
 def second_turn(engine: Engine, answer: list[int]) -> MediaPrompt:
@@ -345,8 +352,14 @@ def test_sampled_text_after_an_image_follows_the_targets_distribution(tmp_path: 
         alone = first_tokens(engine, red, None, range(N_RUNS))
         speculative = first_tokens(engine, red, "model", range(N_RUNS, 2 * N_RUNS))
         control = first_tokens(engine, plain, None, range(2 * N_RUNS, 3 * N_RUNS))
-    for position in range(N_FIRST):
-        table = contingency(alone[:, position], speculative[:, position])
+    assert_same_distribution(alone, speculative, control)
+
+
+def assert_same_distribution(alone: np.ndarray, drafted: np.ndarray, control: np.ndarray) -> None:
+    """Seeded runs' first tokens (a row a run): drafted ones as the target's alone at
+    every position, by chi-square; the control's first tokens told apart."""
+    for position in range(alone.shape[1]):
+        table = contingency(alone[:, position], drafted[:, position])
         assert table.shape[1] > 2  # a real distribution, not one forced token
         assert chi2_contingency(table).pvalue > 1e-3, f"token {position} differs"
     assert chi2_contingency(contingency(alone[:, 0], control[:, 0])).pvalue < 1e-3
@@ -396,22 +409,6 @@ def test_a_projector_for_another_model_is_refused_before_loading(
     monkeypatch.setattr(loading, "Model", None)  # nothing may load
     with pytest.raises(UserError, match="it was made for another model"):
         Engine(engine_options(pair, mmproj=other))
-
-
-def test_images_with_a_drafting_head_are_refused(tmp_path: Path) -> None:
-    """A head drafts from the target's hidden states, and those over an image's cells are
-    not handed to it yet: one line, before the prompt is read; without drafting, served."""
-    target = write_qwen35_model(tmp_path / "qwen35-mtp.gguf", spm_vocab(), Qwen35Params(), seed=1)
-    dims = ImageDims(mark=60, red=61, blue=62, n_embd=Qwen35Params().n_embd)
-    mmproj, *_ = write_mlp_projector(tmp_path / "mmproj.gguf", dims)
-    options = EngineOptions(target, mmproj=mmproj, n_ctx=256, threads=1, flash_attn="off")
-    with Engine(options) as engine:
-        assert engine.head is not None
-        with pytest.raises(UserError) as err:
-            engine.media_prompt(MARKER + QUESTION, [image("red")])
-        assert str(err.value) == HEADS_WITH_MEDIA
-        with engine.media_prompt(MARKER + QUESTION, [image("red")], drafts=False) as prompt:
-            assert len(prompt.media) == 1
 
 
 def test_a_draft_of_another_vocabulary(pair: VisionPair, stories260k: Path) -> None:

@@ -500,6 +500,17 @@ MmprojOpt = Annotated[
 NoMmprojOpt = Annotated[
     bool, typer.Option("--no-mmproj", help="No projector, even where the Hub repo has one.")
 ]
+MmprojDraftOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--mmproj-draft",
+        metavar="FILE",
+        help="The draft model's own projector: the draft then reads the images and audio "
+        "too (else the text alone). Each draft round after an image guesses better; the "
+        "draft encodes each image once more.",
+        show_default=False,
+    ),
+]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", help="Show llama.cpp's own log.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object.")]
 
@@ -574,7 +585,7 @@ CHAT_FLAGS = {
 }
 takes_chat_flags = flag_group("chat_flags", CHAT_FLAGS, {"jinja": True})
 # The projector: for every command that takes images or audio (run, serve)
-PROJECTOR_FLAGS = {"mmproj": MmprojOpt, "no_mmproj": NoMmprojOpt}
+PROJECTOR_FLAGS = {"mmproj": MmprojOpt, "no_mmproj": NoMmprojOpt, "mmproj_draft": MmprojDraftOpt}
 takes_projector_flags = flag_group("projector_flags", PROJECTOR_FLAGS, {"no_mmproj": False})
 
 
@@ -611,6 +622,7 @@ def engine_options(
     verbose: bool,
     mmproj: str | None = None,
     no_mmproj: bool = False,
+    mmproj_draft: str | None = None,
     find_mmproj: bool = False,
 ) -> tuple[EngineOptions, dict[str, int]]:
     """Turn the shared options (and the config file's defaults) into EngineOptions: what
@@ -666,6 +678,7 @@ def engine_options(
         draft_path = locate_draft(draft, config) if draft else None
         find = target_spec.path if find_mmproj else None
         projector = projector_path(mmproj, no_mmproj, find, config)
+        draft_projector = projector_path(mmproj_draft, False, None, config)
     except UserError as err:
         if model:
             raise
@@ -674,6 +687,7 @@ def engine_options(
         target=target,
         draft=draft_path,
         mmproj=projector,
+        mmproj_draft=draft_projector,
         head=head,
         ngram=ngram,
         n_gpu_layers=_gpu_layers(n_gpu_layers, "-ngl", target_spec),

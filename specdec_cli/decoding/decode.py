@@ -33,7 +33,7 @@ from specdec_cli.decoding.grammar import Constraint, Grammar, PathMasks
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.lookupthenmodel import LookupThenModel
 from specdec_cli.decoding.modeldrafter import ModelDrafter
-from specdec_cli.decoding.multimodal import media_starts, text_tokens
+from specdec_cli.decoding.multimodal import PromptMedia, media_starts, text_tokens
 from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.sampling import (
     Dist,
@@ -466,9 +466,10 @@ class Generation:
         ends = (start + self.media[prompt[start]].n_tokens for start in self._media_starts)
         self._media_end = max(ends, default=0)
         # What drafters see: the text alone (see multimodal.py); the tokens themselves
-        # for a prompt without media.
+        # for a prompt without media. Those that see media learn where they lie.
         self._text_prompt = text_tokens(prompt) if media else prompt
         self.text = list(self._text_prompt) if media else self.tokens
+        self._prompt_media = PromptMedia(prompt, self.media) if media else None
         self.n_new = 0
         self.finished = False
         self.error: UserError | None = None  # why it ended early, its grammar's fault
@@ -527,7 +528,7 @@ class Generation:
         that read its end): the drafter reads it too, and the clocks start."""
         decoder = self.decoder
         if decoder.drafter:
-            decoder.drafter.begin(self._text_prompt, self.sampling, self.noise)
+            decoder.drafter.begin(self._text_prompt, self.sampling, self.noise, self._prompt_media)
         for length in (decoder.length, *decoder.lengths.values()):
             length.begin(self.sampling.draft_invariant)
         if decoder.tree:

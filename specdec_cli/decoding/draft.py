@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams, chain_parents
 from specdec_cli.llamacpp.llama import Context
 
@@ -172,10 +173,16 @@ class Drafter(Protocol):
     ctx: Context | None  # the draft model's context, if it has one
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
-        """A new generation from `prompt`, sampling with `sampling` (None: as before);
-        `noise`: its coupled sampling's (see sampling.Noise), None if not coupled."""
+        """A new generation from `prompt` (its text), sampling with `sampling` (None: as
+        before); `noise`: its coupled sampling's (see sampling.Noise), None if not
+        coupled; `media`: where the prompt's media lie, for a drafter that sees them
+        (None: the prompt is all text)."""
         ...
 
     def sources(self, tokens: list[int]) -> list[str]:

@@ -36,7 +36,6 @@ from specdec_cli.models.chat import (
 )
 
 NO_PROJECTOR = "this model takes no images or audio: add --mmproj (the model's mmproj-*.gguf file)"
-HEADS_WITH_MEDIA = "images with drafting heads: not yet; use -d ngram or a draft model"
 
 
 class Engine(LoadedModels):
@@ -139,16 +138,21 @@ class Engine(LoadedModels):
 
     def media_prompt(self, text: str, media: Sequence[Media], drafts: bool = True) -> MediaPrompt:
         """`text` (a plain prompt, or chat_text's) with a media marker for each of `media`,
-        tokenized with them (see multimodal.py). `drafts`: the generation drafts as the
-        engine was loaded to (else it runs the target alone). The caller closes it."""
+        tokenized with them (see multimodal.py), and by the draft model's own projector
+        where it has one that takes them. `drafts`: the generation drafts as the engine
+        was loaded to (else it runs the target alone). The caller closes it."""
         if self.encodings is None:
             raise UserError(NO_PROJECTOR)
-        if drafts and self.head is not None:
-            # A head reads the target's hidden states, and those over media's cells are not
-            # handed to it yet (mtmd.Projector.decode's on_batch is where they would be).
-            raise UserError(HEADS_WITH_MEDIA)
         prompt = self.encodings.projector.tokenize(text, media)
-        return MediaPrompt.of_chunks(prompt, self.encodings)
+        own = self.draft_encodings
+        if not drafts or own is None or not all(map(own.projector.takes, media)):
+            return MediaPrompt.of_chunks(prompt, self.encodings)
+        try:
+            draft = own.projector.tokenize(text, media)
+        except BaseException:
+            prompt.close()
+            raise
+        return MediaPrompt.of_chunks(prompt, self.encodings, draft, own)
 
     def pieces(
         self,

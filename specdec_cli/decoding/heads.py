@@ -15,6 +15,14 @@ read the head's states, and are dropped at the next round. Each round's first ca
 catches up on the tokens the target accepted since, together with the first draft step:
 llama.cpp's driver spends a call more (common/speculative.cpp feeds every verified row
 first, then drafts).
+
+Beside images and audio a head reads the text by the target's positions
+(PromptMedia.positions_of; under M-RoPE an image spans fewer positions than it has cells),
+and at a media's positions the target's states there, which its decode of the media
+recorded (Context.decode_media): the row after an image reads the state the target's
+text there read. llama.cpp's driver skips media batches altogether: its MTP and EAGLE-3
+heads then read, after an image, the state from before it, and a non-M-RoPE head's
+positions no longer follow on.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import numpy as np
 
 from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps, KeepDrafting
 from specdec_cli.decoding.modeldrafter import ModelDrafter
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 from specdec_cli.llamacpp.heads import (
     AssistantHead,
@@ -50,7 +59,11 @@ class HeadDrafter(ModelDrafter):
         self.states = states
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         """Nothing to read now: the first round catches up on the prompt, with the
         target's states, which its decode calls recorded (keeping what the head holds
@@ -58,10 +71,15 @@ class HeadDrafter(ModelDrafter):
         if sampling is not None:
             self.sampling = sampling
         self.noise = noise
+        self.media = media
+
+    def _sequence(self, text: list[int]) -> list[int]:
+        """The text by the target's positions (see the module's docstring)."""
+        return text if self.media is None else self.media.positions_of(text)
 
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
-        tokens = request.tokens
+        tokens = self._sequence(request.tokens)
         head, last = self.head, len(tokens) - 1
         # What the head reads, by its positions: the text, or for EAGLE-3 the text from
         # its second token (its row at p holds the token at p + 1).
@@ -81,7 +99,12 @@ class HeadDrafter(ModelDrafter):
         yield
         # Its logits are in the target's vocabulary (EAGLE-3's mapped by d2t).
         draft = yield from self._grow(
-            len(tokens), request.k, request.rng, request.keep_drafting, request.shape, len(read)
+            self._cells(request.tokens),
+            request.k,
+            request.rng,
+            request.keep_drafting,
+            request.shape,
+            len(read),
         )
         draft.calls += 1  # the catch-up call, which drafted the first depth
         head.drop_branches()
@@ -143,6 +166,7 @@ class BlockDrafter(HeadDrafter):
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens (the block's size less one at most), a chain."""
         tokens, rng, keep_drafting = request.tokens, request.rng, request.keep_drafting
+        tokens = self._sequence(tokens)
         head, decoded = self.head, len(tokens) - 1  # the last token is not decoded yet
         k = min(request.k, head.block_size - 1)
         if decoded < 1 or k < 1:
@@ -155,8 +179,9 @@ class BlockDrafter(HeadDrafter):
         head.stage_block(tokens[-1], k)
         yield
         draft = Draft(source=self.name, calls=1)
+        place = self._cells(request.tokens) - 1  # the last token's, in what the target holds
         for row in range(1, k + 1):  # the row at position decoded + row
-            if not self._take(draft, head.logits(row), rng, decoded + row, keep_drafting):
+            if not self._take(draft, head.logits(row), rng, place + row, keep_drafting):
                 break
         head.drop_block()
         return draft
@@ -178,13 +203,13 @@ class AssistantDrafter(HeadDrafter):
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
         tokens = request.tokens
-        self._last = len(tokens) - 1
+        self._last = len(tokens) - 1 + (self.media.extra_positions if self.media else 0)
         state = self.states.after(self._last - 1, self._last)
         self.states.forget_before(self._last)
         self.head.stage_at(tokens[-1:], self._last, state)
         yield
         draft = yield from self._grow(
-            len(tokens), request.k, request.rng, request.keep_drafting, request.shape
+            self._cells(tokens), request.k, request.rng, request.keep_drafting, request.shape
         )
         draft.calls += 1  # the call that drafted the first depth
         return draft
@@ -218,7 +243,7 @@ class ChainedHeadDrafter(HeadDrafter):
 
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens (one a block at most), a chain."""
-        tokens, k, rng = request.tokens, request.k, request.rng
+        tokens, k, rng = self._sequence(request.tokens), request.k, request.rng
         head, last = self.head, len(tokens) - 1
         if not last:
             return Draft(source=self.name)
@@ -244,7 +269,7 @@ class ChainedHeadDrafter(HeadDrafter):
             head.stage_head(block, rows, n_keep, np.concatenate(hidden))
             yield
             draft.calls += 1
-            position = len(tokens) + block
+            position = self._cells(request.tokens) + block
             taken = drafting and self._take(
                 draft, head.logits(), rng, position, request.keep_drafting
             )

@@ -159,6 +159,8 @@ class LoadedModels:
         check_slots(options)
         if options.mmproj:  # a projector for another model, refused before anything loads
             check_projector(read_projector(options.mmproj), target_file)
+        if options.mmproj_draft:
+            check_draft_projector(options, None if head_class else draft_file, pairing)
         self.warnings = pairing.warnings + batch_warnings(options)
         self.repack, repack_note = choose_repack(options.repack)
         offload_note = offload_warning(options, backend.supports_gpu_offload())
@@ -257,6 +259,19 @@ class LoadedModels:
                 options.mmproj, self.model, threads, use_gpu, options.flash_attn, options.verbose
             )
             self.encodings = Encodings(self._own(projector))
+        # The draft model's own projector (checked above: a draft model of the same text).
+        self.draft_encodings: Encodings | None = None
+        if options.mmproj_draft and self.draft_ctx is not None:
+            use_gpu = backend.supports_gpu_offload() and options.n_gpu_layers_draft != 0
+            projector = Projector(
+                options.mmproj_draft,
+                self.draft_ctx.model,
+                self.draft_ctx.threads,
+                use_gpu,
+                options.flash_attn,
+                options.verbose,
+            )
+            self.draft_encodings = Encodings(self._own(projector))
 
     def _open_head(
         self,
@@ -495,6 +510,29 @@ class LoadedModels:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_draft_projector(
+    options: EngineOptions, draft: GGUFFile | None, pairing: compat.CompatReport
+) -> None:
+    """--mmproj-draft is refused in one line, before anything loads, where the draft
+    could not read what it makes: beside no draft model (a head reads the target's
+    states), without the target's own projector, for a draft of another vocabulary
+    (which reads the text, translated), or made for another model."""
+    assert options.mmproj_draft is not None
+    if draft is None:
+        raise UserError(
+            "--mmproj-draft is a draft model's projector: pass the draft model with -d "
+            "(a drafting head reads the target's states over an image, not a projector's)"
+        )
+    if options.mmproj is None:
+        raise UserError("--mmproj-draft needs the target's own projector too: add --mmproj")
+    if pairing.translated:
+        raise UserError(
+            f"--mmproj-draft: {draft.path.name} has another vocabulary than the target, and "
+            "its drafts are translated from the text; drop --mmproj-draft"
+        )
+    check_projector(read_projector(options.mmproj_draft), draft)
 
 
 def check_slots(options: EngineOptions) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from specdec_cli.decoding.draft import Drafter, DraftRequest, DraftSteps
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.ngram import Match, NgramDrafter
 from specdec_cli.decoding.sampling import Noise, SamplingParams
 
@@ -39,13 +40,17 @@ class LookupThenModel:
         self._decided: tuple[int, list[str], Match] | None = None
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         """Each text anew: how much one repeats itself says nothing of the next. The
         lookup starts at even odds, so that its guesses, scored while the model drafts,
         must earn it the turn (from 1.0 it drafted after the model's first miss)."""
         self.lookup.begin(prompt, sampling, noise)
-        self.model.begin(prompt, sampling, noise)
+        self.model.begin(prompt, sampling, noise, media)
         self.hit_rate = {self.lookup.name: 0.5, self.model.name: 1.0}
         self._guesses, self._decided = [], None
 

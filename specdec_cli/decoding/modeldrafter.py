@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from specdec_cli.decoding.draft import DraftRequest, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams, distribution
 from specdec_cli.decoding.treegrowth import TreeGrowth
 from specdec_cli.llamacpp.llama import Context
@@ -32,9 +33,14 @@ class ModelDrafter:
     it evaluated last round. On each call it keeps the part of that which was accepted,
     and feeds what it has not seen: the target's own token, and after a round where
     every draft was accepted also its own last draft (it never evaluated that one).
+
+    Beside media it reads the text alone, at positions of its own, unless it `sees_media`
+    (a projector of its own, multimodal.MediaChunk.draft): it then holds what the target
+    holds, the media as its own projector made them.
     """
 
     name = "model"
+    sees_media = False
 
     def __init__(self, ctx: Context, sampling: SamplingParams, n_vocab: int | None = None) -> None:
         """`n_vocab`: the target's vocabulary size. A draft's vocabulary may be larger (as
@@ -53,15 +59,37 @@ class ModelDrafter:
         # The round's grammar (set by the decode loop, see grammar.py): each node's
         # children are chosen from its row masked after its path (see children).
         self.constraint: Constraint | None = None
+        self.media: PromptMedia | None = None  # where the generation's media lie
+        self._reads_media = False  # whether its context holds them (see sees_media)
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         if sampling is not None:
             self.sampling = sampling
         self.noise = noise
-        self.ctx.prefill(prompt[:-1])
-        self._n_cached, self._unchecked = len(prompt) - 1, []
+        self.media = media
+        own = media.draft_media() if media is not None and self.sees_media else None
+        self._reads_media = own is not None
+        read = media.cells if media is not None and own is not None else prompt
+        self.ctx.prefill(read[:-1], own)
+        self._n_cached, self._unchecked = len(read) - 1, []
+
+    def _sequence(self, text: list[int]) -> list[int]:
+        """What its context reads of the text so far: the text, or with the media it
+        sees, what the target holds."""
+        if self.media is None or not self._reads_media:
+            return text
+        return self.media.cells_of(text)
+
+    def _cells(self, text: list[int]) -> int:
+        """How many cells the target holds after the text so far: the place of the
+        next token, where coupled sampling's noise is read (the verifier reads it there)."""
+        return len(text) + (self.media.extra_cells if self.media is not None else 0)
 
     def sources(self, tokens: list[int]) -> list[str]:
         return [self.name]
@@ -81,12 +109,17 @@ class ModelDrafter:
 
     def drafting(self, request: DraftRequest) -> DraftSteps:
         """Up to k tokens deep; a chain, or the tree `shape` allows."""
-        tokens, k = request.tokens, request.k
+        tokens, k = self._sequence(request.tokens), request.k
         calls = yield from self._catch_up(tokens)
         if k > 1:
             self.ctx.checkpoint()  # the drafts it evaluates may be rejected
         draft = yield from self._grow(
-            len(tokens), k, request.rng, request.keep_drafting, request.shape
+            self._cells(request.tokens),
+            k,
+            request.rng,
+            request.keep_drafting,
+            request.shape,
+            len(tokens),
         )
         draft.calls += calls
         # The draft tokens evaluated in sequence 0 (all of the chain but its last
@@ -104,8 +137,9 @@ class ModelDrafter:
         shape: TreeShape | None,
         start: int | None = None,
     ) -> DraftSteps:
-        """Up to k tokens deep after a text of `base` tokens, from the logits of the
-        context's last call (see TreeGrowth for `start`)."""
+        """Up to k tokens deep after `base` cells of the target's (where coupled sampling's
+        noise is read), from the logits of the context's last call (see TreeGrowth for
+        `start`)."""
         growth = TreeGrowth(self, base, shape or TreeShape(k), rng, keep_drafting, start)
         return (yield from growth.grow(k))
 

@@ -7,16 +7,21 @@ cache, the prompt cache and the scheduler compare prompts with media as they com
 (two prompts with different images part at the first image), and the target decodes a
 placeholder's cells through its chunk (llama.MediaCells) where it reads the prompt.
 
-Drafters never see media: a draft model or a lookup drafts from the text alone
-(`text_tokens`), a draft model at its own contiguous positions. That is exact: a draft only
-proposes, and the target, which saw the media, decides.
+A lookup drafts from the text alone (`text_tokens`), and so does a draft model without a
+projector of its own, at its own contiguous positions. That is exact: a draft only
+proposes, and the target, which saw the media, decides. A draft model with a projector
+of its own (`--mmproj-draft`) reads the media as the target does, through its own
+embeddings of them (MediaChunk.draft); a drafting head reads the target's states over
+them, by the target's positions (PromptMedia.positions_of). Both learn where the media
+lie from PromptMedia: media are only ever in a prompt.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
@@ -71,17 +76,35 @@ class Encodings:
 
 @dataclass(frozen=True)
 class MediaChunk:
-    """A prompt's media chunk, as a target decodes it (llama.MediaCells)."""
+    """A prompt's media chunk, as a target decodes it (llama.MediaCells); `draft`: the
+    same media as the draft model's own projector makes it (None: the draft reads the
+    text alone)."""
 
     chunk: Chunk
     encodings: Encodings
     placeholder: int
     n_tokens: int
     n_pos: int
+    draft: MediaChunk | None = None
 
-    def decode(self, ctx: llama_cpp.llama_context_p, pos: int, seq: int, n_batch: int) -> int:
+    @classmethod
+    def of(
+        cls, chunk: Chunk, encodings: Encodings, mark: int, draft: MediaChunk | None = None
+    ) -> MediaChunk:
+        return cls(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos, draft)
+
+    def decode(
+        self,
+        ctx: llama_cpp.llama_context_p,
+        pos: int,
+        seq: int,
+        n_batch: int,
+        on_rows: Callable[[int], None] | None = None,
+    ) -> int:
         embeddings = self.encodings.embeddings(self.chunk)
-        return self.encodings.projector.decode(ctx, self.chunk, embeddings, pos, seq, n_batch)
+        on_batch = None if on_rows is None else lambda batch: on_rows(len(batch.embeddings))
+        projector = self.encodings.projector
+        return projector.decode(ctx, self.chunk, embeddings, pos, seq, n_batch, on_batch)
 
 
 class MediaPrompt:
@@ -93,36 +116,61 @@ class MediaPrompt:
         self,
         tokens: list[int],
         media: dict[int, MediaChunk] | None = None,
-        chunks: Prompt | None = None,
+        chunks: tuple[Prompt, ...] = (),
     ) -> None:
         self.tokens = tokens
         self.media = media or {}
         self._chunks = chunks
 
     @classmethod
-    def of_chunks(cls, prompt: Prompt, encodings: Encodings) -> MediaPrompt:
+    def of_chunks(
+        cls,
+        prompt: Prompt,
+        encodings: Encodings,
+        draft: Prompt | None = None,
+        draft_encodings: Encodings | None = None,
+    ) -> MediaPrompt:
+        """The prompt libmtmd tokenized; with `draft`, the same prompt as the draft model's
+        projector tokenized it (each media's MediaChunk.draft, where it made the same
+        cells: else the draft reads the text alone)."""
+        if draft is not None and not same_cells(prompt, draft):
+            draft.close()
+            draft = None
+        drafts = draft.chunks if draft is not None else [None] * len(prompt.chunks)
         tokens: list[int] = []
         media: dict[int, MediaChunk] = {}
-        for chunk in prompt.chunks:
+        for chunk, draft_chunk in zip(prompt.chunks, drafts, strict=True):
             if chunk.kind == "text":
                 tokens += chunk.tokens
                 continue
             if chunk.id is None:
                 raise RuntimeError(f"libmtmd gave {chunk.kind} without an id")
             mark = placeholder(chunk.id)
-            media[mark] = MediaChunk(chunk, encodings, mark, chunk.n_tokens, chunk.n_pos)
+            own = None
+            if draft_chunk is not None and draft_encodings is not None:
+                own = MediaChunk.of(draft_chunk, draft_encodings, mark)
+            media[mark] = MediaChunk.of(chunk, encodings, mark, own)
             tokens += [mark] * chunk.n_tokens
-        return cls(tokens, media, prompt)
+        return cls(tokens, media, (prompt,) if draft is None else (prompt, draft))
 
     def close(self) -> None:
-        if self._chunks is not None:
-            self._chunks.close()
+        for chunks in self._chunks:
+            chunks.close()
 
     def __enter__(self) -> MediaPrompt:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def same_cells(prompt: Prompt, other: Prompt) -> bool:
+    """Whether two projectors made the same cells of a prompt: the same text tokens, and
+    each media as many cells (a draft's own may take other positions)."""
+    return len(prompt.chunks) == len(other.chunks) and all(
+        (a.kind, a.tokens, a.id, a.n_tokens) == (b.kind, b.tokens, b.id, b.n_tokens)
+        for a, b in zip(prompt.chunks, other.chunks, strict=True)
+    )
 
 
 def media_starts(tokens: list[int], media: Mapping[int, MediaCells]) -> list[int]:
@@ -136,3 +184,55 @@ def media_starts(tokens: list[int], media: Mapping[int, MediaCells]) -> list[int
         else:
             i += 1
     return starts
+
+
+class PromptMedia:
+    """Where a prompt's media lie, for the drafters that see them: `cells`, the prompt as
+    the target holds it (each media's cells as its placeholder), and `media`, each
+    placeholder's. The drafters are handed the text alone each round; as media are only
+    in the prompt, the rest of what the target holds is the text after the prompt's."""
+
+    def __init__(self, cells: list[int], media: Mapping[int, MediaCells]) -> None:
+        self.cells = cells
+        self.media = media
+        starts = media_starts(cells, media)
+        self.n_text = len(cells) - sum(media[cells[i]].n_tokens for i in starts)
+        # The prompt by position: each media's cells as n_pos placeholders.
+        self._by_position: list[int] = []
+        end = 0
+        for start in starts:
+            self._by_position += cells[end:start]
+            media_cells = media[cells[start]]
+            self._by_position += [cells[start]] * media_cells.n_pos
+            end = start + media_cells.n_tokens
+        self._by_position += cells[end:]
+
+    @property
+    def extra_cells(self) -> int:
+        """The cells the target holds beyond the text: every media's."""
+        return len(self.cells) - self.n_text
+
+    @property
+    def extra_positions(self) -> int:
+        """The positions the target's media take beyond the text's."""
+        return len(self._by_position) - self.n_text
+
+    def cells_of(self, text: list[int]) -> list[int]:
+        """What the target holds, given the text (the prompt's and what followed)."""
+        return self.cells + text[self.n_text :]
+
+    def positions_of(self, text: list[int]) -> list[int]:
+        """The text by the target's positions: each position's token, each media's
+        placeholder at the positions it spans (n_pos of them; under M-RoPE fewer than
+        its cells)."""
+        return self._by_position + text[self.n_text :]
+
+    def draft_media(self) -> dict[int, MediaCells] | None:
+        """Each placeholder's media as the draft model's projector makes it; None where
+        some have none (the draft then reads the text alone)."""
+        drafts = {
+            mark: chunk.draft for mark, chunk in self.media.items() if isinstance(chunk, MediaChunk)
+        }
+        if len(drafts) < len(self.media) or not all(drafts.values()):
+            return None
+        return cast(dict[int, MediaCells], drafts)

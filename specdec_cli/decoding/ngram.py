@@ -12,6 +12,7 @@ from specdec_cli.decoding.draft import (
     TreeShape,
     merge_into_tree,
 )
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams
 
 # A lookup's match: a text, and where the n-gram that ends the current text ended in it
@@ -121,7 +122,11 @@ class NgramDrafter:
         self._matched: tuple[int, Match] = (-1, ([], []))  # (text length, its match)
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         if self.memory is not None and self._text:
             self.memory.add(self._text)  # the last generation's text, now complete

@@ -106,10 +106,13 @@ class Policy:
         return drafter_for(head)(head, states, self.models.options.sampling)
 
     def model_drafter(self, ctx: Context) -> ModelDrafter | TranslatedDrafter:
-        """The draft model's drafter: in the target's vocabulary, or translated to it."""
+        """The draft model's drafter: in the target's vocabulary (reading the media through
+        its own projector, where it has one), or translated to it."""
         sampling = self.models.options.sampling
         if self.models.translation is None:
-            return ModelDrafter(ctx, sampling, self.models.model.n_vocab)
+            drafter = ModelDrafter(ctx, sampling, self.models.model.n_vocab)
+            drafter.sees_media = self.models.draft_encodings is not None
+            return drafter
         return TranslatedDrafter(ModelDrafter(ctx, sampling), self.models.translation)
 
     def draft_length(self, kind: str, k: str, costs: Costs | None = None) -> DraftLength:

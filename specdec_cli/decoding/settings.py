@@ -74,6 +74,8 @@ class EngineOptions:
     grammar: Grammar | None = None
     # The target's multimodal projector (--mmproj): images or audio in prompts; None: text only.
     mmproj: Path | None = None
+    # The draft model's own (--mmproj-draft): it then reads the media too; None: the text alone.
+    mmproj_draft: Path | None = None
 
 
 def drafter_kind(model: bool, ngram: bool | None, head: str | None = None) -> str | None:

@@ -35,6 +35,7 @@ from specdec_cli.decoding.draft import (
     merge_into_tree,
 )
 from specdec_cli.decoding.modeldrafter import ModelDrafter
+from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import GREEDY, Dist, Noise, SamplingParams
 from specdec_cli.llamacpp import costcache
 from specdec_cli.llamacpp.llama import Model
@@ -243,7 +244,11 @@ class TranslatedDrafter:
         self._target_bytes, self._draft_bytes = translation.target_bytes, translation.draft_bytes
 
     def begin(
-        self, prompt: list[int], sampling: SamplingParams | None = None, noise: Noise | None = None
+        self,
+        prompt: list[int],
+        sampling: SamplingParams | None = None,
+        noise: Noise | None = None,
+        media: PromptMedia | None = None,
     ) -> None:
         """`noise` is not used: it is keyed by the target's positions and tokens. A text
         the same whatever the drafts takes any guess the target agrees with, and the

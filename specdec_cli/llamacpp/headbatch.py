@@ -2,7 +2,16 @@
 extended batch (llama.cpp's llama_batch_ext) of its next decode call, which holds every
 slot's rows. A row is a token at a position in a sequence, beside a hidden state
 (`Rows`); a DFlash or EAGLE-3 file also takes feature rows (the target's layer inputs,
-`features`)."""
+`features`).
+
+Positions are the target's. At those an image or audio clip spans, a row's token is its
+placeholder (negative): llama.cpp's head graphs take a token beside a state, never an
+embedding beside one (a row of an embedding alone reads it as both), so such a row reads
+a stand-in token (`stand_in`) beside the target's state there. Leaving such rows out
+would leave a gap in the head's positions, which llama.cpp refuses except under M-RoPE
+(llama_batch_allocr wants a sequence's positions to follow on), and keep from the head
+what the target made of the media.
+"""
 
 from __future__ import annotations
 
@@ -62,10 +71,17 @@ class HeadBatch:
     """A head's llama.cpp context, shared by its slots, and the batch of its next call."""
 
     def __init__(
-        self, ptr: llama_cpp.llama_context_p, n_vocab: int, n_embd: int, n_ubatch: int
+        self,
+        ptr: llama_cpp.llama_context_p,
+        n_vocab: int,
+        n_embd: int,
+        n_ubatch: int,
+        stand_in: int,
     ) -> None:
+        """`stand_in`: the token of rows at media positions."""
         self.ptr: llama_cpp.llama_context_p | None = ptr
         self.n_vocab, self.n_embd, self.n_ubatch = n_vocab, n_embd, n_ubatch
+        self.stand_in = stand_in
         self.batch = llama_cpp.llama_batch_ext_init(ptr)
         self.now_batch = llama_cpp.llama_batch_ext_init(ptr)  # calls made at once
         self.encoded = ctypes.c_float * (n_ubatch * n_embd)
@@ -97,11 +113,13 @@ class HeadBatch:
     def _add(
         self, batch: llama_cpp.llama_batch_ext_p, slot: HeadContext, rows: Rows, logits_from: int
     ) -> int:
-        """Add token rows to `batch`, those from `logits_from` on with logits; return the
-        first one's batch place."""
+        """Add token rows to `batch`, those from `logits_from` on with logits (a
+        placeholder's read `stand_in`); return the first one's batch place."""
         place, idx, hidden = self._pos, -1, rows.hidden
         for i, token in enumerate(rows.tokens):
             seq = slot.seq if rows.seqs is None else slot.seq + rows.seqs[i]
+            if token < 0:
+                token = self.stand_in
             idx = llama_cpp.llama_batch_ext_add_token(batch, seq, token)
             if idx < 0:
                 raise RuntimeError(f"the head's batch is full ({self.n_staged} rows)")
@@ -139,14 +157,18 @@ class HeadBatch:
             self._head_set = head
 
     def features(
-        self, seq: int, pos: int, features: np.ndarray, out: np.ndarray | None = None
+        self,
+        seq: int,
+        positions: Sequence[int],
+        features: np.ndarray,
+        out: np.ndarray | None = None,
     ) -> float:
-        """Process rows of `features` at positions pos, pos + 1, ... now, a ubatch a call,
-        and return the seconds it took. With `out`: EAGLE-3's encoder, whose output for
-        each row goes there (it reads no positions, but llama.cpp wants them to follow the
-        sequence's memory); without: a DFlash decode that puts them into the cache, with
-        no output (positions as llama.cpp's driver gives feature rows: M-RoPE's text
-        three, and 0)."""
+        """Process rows of `features` at `positions` now, a ubatch a call, and return the
+        seconds it took. With `out`: EAGLE-3's encoder, whose output for each row goes
+        there (it reads no positions, but llama.cpp wants them to follow the sequence's
+        memory); without: a DFlash decode that puts them into the cache, with no output
+        (positions as llama.cpp's driver gives feature rows: M-RoPE's text three, and
+        0)."""
         features = np.ascontiguousarray(features, np.float32)
         batch, place = self.now_batch, self._feature_pos
         encode = out is not None
@@ -160,7 +182,7 @@ class HeadBatch:
             stop = min(start + self.n_ubatch, len(features))
             for i in range(start, stop):
                 idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, self._feature.at(features, i))
-                place[0] = place[1] = place[2] = pos + i
+                place[0] = place[1] = place[2] = positions[i]
                 llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, encode)
             status = llama_cpp.llama_process(self.ptr, process, batch)

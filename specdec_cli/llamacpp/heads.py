@@ -34,6 +34,11 @@ target's before it, then its own), and reads the target's cache up to there (`st
 
 Slots split a head's context as Context.split splits the target: one llama.cpp context
 serves every slot, and one call decodes every slot's staged rows.
+
+Beside images and audio, a head holds the target's positions: `tokens` is the text by
+position, each media's placeholder at the positions it spans, and each row there reads
+the target's state at that position (see headbatch.py for the token beside it). An
+assistant reads the target's cache, media and all.
 """
 
 from __future__ import annotations
@@ -54,6 +59,14 @@ from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context, Model
 # The architectures whose MTP graph gives a state for the rows with logits only (it
 # gathers them first): the others give one for every row.
 MTP_STATES_OF_OUTPUTS_ONLY = frozenset({"deepseek4", "mimo2", "step35"})
+
+
+def stand_in(target: Model) -> int:
+    """The token a head reads at a media position (see headbatch.py): the target's
+    padding token (0 where it has none), which no text is made of. What the row says of
+    the media is the target's state beside it."""
+    pad = llama_cpp.llama_vocab_pad(llama_cpp.llama_model_get_vocab(target.ptr))
+    return pad if pad >= 0 else 0
 
 
 def _metadata(model: Model, key: str) -> str | None:
@@ -117,7 +130,9 @@ class HeadContext:
         masked = _metadata(model, "general.architecture") in MTP_STATES_OF_OUTPUTS_ONLY
         llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, masked)
         n_embd = self._state_width(model)
-        self._shared = HeadBatch(ptr, target.model.n_vocab, n_embd, cparams.n_ubatch)
+        self._shared = HeadBatch(
+            ptr, target.model.n_vocab, n_embd, cparams.n_ubatch, stand_in(target.model)
+        )
         self._memory = self._own_memory(ptr)
         self._owner = True
         self.model = model
@@ -319,7 +334,8 @@ class Eagle3Head(MtpHead):
         """Its encoder's reading of the target's layer inputs: an extra call, which its
         own memory does not see."""
         out = np.empty((len(rows), self.n_embd), np.float32)
-        self._shared.features(self.seq, len(self.tokens), rows, out)
+        pos = len(self.tokens)
+        self._shared.features(self.seq, range(pos, pos + len(rows)), rows, out)
         return out
 
 
@@ -390,8 +406,14 @@ class DFlashHead(HeadContext):
 
     def inject(self, tokens: Sequence[int], features: np.ndarray) -> None:
         """Put the target's layer inputs at the positions of `tokens` (after the sequence)
-        into the drafter's cache, now, as llama.cpp's driver does per sequence."""
-        self.decode_seconds += self._shared.features(self.seq, len(self.tokens), features)
+        into the drafter's cache, now, as llama.cpp's driver does per sequence; a media's
+        positions too (feature rows need no token). Under M-RoPE an image's positions are
+        fewer than its cells, a state each: llama.cpp's driver, which would put every
+        cell at one position, where a sliding window's cache cannot hold them, leaves
+        M-RoPE images out."""
+        first = len(self.tokens)
+        positions = range(first, first + len(tokens))
+        self.decode_seconds += self._shared.features(self.seq, positions, features)
         self.tokens.extend(tokens)
 
     def stage_block(self, last: int, k: int) -> None:

@@ -119,7 +119,7 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
     # Unmasked, llama.cpp keeps a row for every place of a batch.
     whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(ptr) * n_embd)
 
-    def decoded(pos: int, rows: slice | list[int]) -> None:
+    def decoded(pos: int, rows: slice | list[int] | np.ndarray) -> None:
         states.record(
             pos, [floats_at(whole_batch, read()).reshape(-1, n_embd)[rows] for read in sources]
         )

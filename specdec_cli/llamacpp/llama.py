@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import ctypes
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -31,6 +31,8 @@ FLASH_ATTN = {
 }
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's limit on sequences in one context (llama-cparams.h)
+# What hears of a decode call (see Context.on_decoded): a position, and batch places.
+OnDecoded = Callable[[int, slice | list[int] | np.ndarray], None]
 
 
 @llama_cpp.llama_log_callback
@@ -276,10 +278,29 @@ class MediaCells(Protocol):
     n_tokens: int
     n_pos: int
 
-    def decode(self, ctx: llama_cpp.llama_context_p, pos: int, seq: int, n_batch: int) -> int:
+    def decode(
+        self,
+        ctx: llama_cpp.llama_context_p,
+        pos: int,
+        seq: int,
+        n_batch: int,
+        on_rows: Callable[[int], None] | None = None,
+    ) -> int:
         """Decode the cells into sequence `seq` of `ctx` from position `pos` on, n_batch
-        at most a call, no logits; returns the next position, pos + n_pos."""
+        at most a call, no logits; `on_rows` hears how many cells each call decoded, right
+        after it (the context's per-row buffers then hold them). Returns the next
+        position, pos + n_pos."""
         ...
+
+
+def cells_by_position(n_tokens: int, n_pos: int) -> np.ndarray:
+    """For each of the positions a media's `n_tokens` cells span (`n_pos` of them), the
+    cell that stands for it where something reads one state a position (a drafting
+    head): the cells shared out evenly, each position taking the last of its share. One
+    each where n_pos == n_tokens; under M-RoPE, the last cell of each row of an image's
+    grid. The last position always takes the last cell, the state the text after it
+    follows."""
+    return -(-(np.arange(1, n_pos + 1) * n_tokens) // n_pos) - 1
 
 
 @dataclass(frozen=True)
@@ -356,9 +377,10 @@ class Context:
         self.flash_attn = params.flash_attn
         # Called after each decode call with this context's tokens in it: (the position
         # of its first token, its places in the batch); for a tree's call, at keep_branch
-        # with the kept path's places. A drafting head reads the target's hidden states there
-        # (see hiddenstates.record_hidden_states).
-        self.on_decoded: Callable[[int, slice | list[int]], None] | None = None
+        # with the kept path's places; for media, a place a position (cells_by_position).
+        # A drafting head reads the target's hidden states there (see
+        # hiddenstates.record_hidden_states).
+        self.on_decoded: OnDecoded | None = None
         # llama.cpp grants snapshots only to the families it supports them for (else 0).
         self.n_rs_seq: int = llama_cpp.llama_n_rs_seq(ptr) if self.recurrent else 0
         self._start_sequences(0, cparams.n_seq_max)
@@ -552,7 +574,7 @@ class Context:
         self._tree, self._staged_tree = self._staged_tree, None
         # A tree's rows are its nodes, not positions: keep_branch reports the kept path's.
         if self.on_decoded is not None and self._tree is None:
-            self.on_decoded(self._last_call_start, self._staged_rows)
+            self.on_decoded(self._last_call_start - self._shift, self._staged_rows)
 
     def _failed(self) -> None:
         """The flush that held this context's staged tokens failed: forget them."""
@@ -568,9 +590,10 @@ class Context:
         token (row i is token i's): how a draft grows its tree, one depth per call.
         Tokens of sequence 0 extend the accepted sequence's memory, in order; other
         sequences are branches (see fork), dropped by drop_branches. Sequences are
-        counted from this context's own."""
+        counted from this context's own. Positions are places in `tokens`, after any
+        media (see the class's docstring)."""
         rows, b = self._rows(tokens), self._shared.batch
-        b.pos[rows] = positions
+        np.subtract(positions, self._shift, out=b.pos[rows])
         b.logits[rows] = 1
         b.n_seq_id[rows] = 1
         np.add(seqs, self.seq, out=b.seq_id[rows, 0])
@@ -611,7 +634,8 @@ class Context:
         n_keep = self._last_call_start + int(tree.depths[index])
         if self.on_decoded is not None:  # the kept path's rows, by position (see _decoded)
             first = self._staged_rows.start
-            self.on_decoded(self._last_call_start, [first + i for i in tree.path(index)])
+            path = [first + i for i in tree.path(index)]
+            self.on_decoded(self._last_call_start - self._shift, path)
         if branch != 0:
             # That branch becomes the accepted sequence, as in llama.cpp's
             # examples/speculative (there with seq_keep, which would drop other slots).
@@ -666,11 +690,23 @@ class Context:
         self._checkpoint.forget_after(n_keep)
         return n_keep
 
-    def prefill(self, tokens: Sequence[int]) -> int:
+    def prefill(self, tokens: Sequence[int], media: Mapping[int, MediaCells] | None = None) -> int:
         """Make the memory hold exactly `tokens`, keeping the longest start of them it
-        already holds (a chat's earlier turns): returns how many tokens were reused."""
+        already holds (a chat's earlier turns): returns how many tokens were reused.
+        `media`: the media whose placeholders `tokens` holds, by placeholder."""
         n = self.reuse(tokens)
-        self.decode(tokens[n:], n)
+        if not media:
+            self.decode(tokens[n:], n)
+            return n
+        start = n
+        while start < len(tokens):
+            if tokens[start] < 0:
+                self.decode_media(media[tokens[start]])
+                start = len(self.tokens)
+                continue
+            end = next((i for i in range(start, len(tokens)) if tokens[i] < 0), len(tokens))
+            self.decode(tokens[start:end], start)
+            start = end
         return n
 
     def reuse(self, tokens: Sequence[int]) -> int:
@@ -751,8 +787,11 @@ class Context:
         not the shared batch's: nothing of this context may be staged)."""
         self.drop_branches()
         start = len(self.tokens)
+        pos = start - self._shift
         try:
-            media.decode(self.ptr, start - self._shift, self.seq, len(self._shared.offsets))
+            media.decode(
+                self.ptr, pos, self.seq, len(self._shared.offsets), self._reporter(media, pos)
+            )
         except BaseException:
             self._remove_from(start)  # what part of it was decoded
             raise
@@ -763,6 +802,24 @@ class Context:
         self.runs += 1
         self._run_open = False
         self._last_call_start = len(self.tokens)  # no snapshots to go back into it
+
+    def _reporter(self, media: MediaCells, pos: int) -> Callable[[int], None] | None:
+        """What tells on_decoded, after each call of a media's cells from position `pos`
+        on, the cells that stand for its positions (cells_by_position) in that call."""
+        on_decoded = self.on_decoded
+        if on_decoded is None:
+            return None
+        cells = cells_by_position(media.n_tokens, media.n_pos)
+        done = 0
+
+        def decoded(n: int) -> None:
+            nonlocal done
+            first, end = np.searchsorted(cells, [done, done + n])
+            if end > first:
+                on_decoded(pos + int(first), cells[first:end] - done)
+            done += n
+
+        return decoded
 
     def perf_seconds(self) -> float:
         """llama.cpp's own clock of its decode calls (from decode to results), summed

@@ -193,6 +193,10 @@ class Projector:
             )
         return prompt
 
+    def takes(self, item: Media) -> bool:
+        """Whether it takes this kind of media (an image, audio)."""
+        return not_taken(item, self.path.name, self.vision, self.audio) is None
+
     def _bitmap(self, item: Media) -> int:
         refusal = not_taken(item, self.path.name, self.vision, self.audio)
         if refusal:
