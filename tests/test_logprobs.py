@@ -210,8 +210,9 @@ def test_equal_to_llama_cpp_pythons_own_evaluation(
     engine: Engine, high_level, drafter: str, k: str, tree: str, sampling: SamplingParams
 ) -> None:
     """Rejection-sampled texts differ from target-only ones: each is checked against
-    the target's logits for that very text, evaluated apart from specdec."""
-    prompt = engine.tokenize(PROMPT)
+    the target's logits for that very text, evaluated apart from specdec. The lookup's
+    prompt repeats itself: it has n-grams to find."""
+    prompt = engine.tokenize(REPEATING_PROMPT if drafter == "ngram" else PROMPT)
     decoder = engine.make_decoder(drafter, k, tree)
     got, stats = generate(engine, decoder, sampling, prompt=prompt)
     assert stats.accepted > 0
