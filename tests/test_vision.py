@@ -77,7 +77,8 @@ def engine_options(pair: VisionPair, parallel: int = 1, **changes: object) -> En
         flash_attn="off",
         parallel=parallel,
         sampling=GREEDY,
-        drafting=DraftOptions(k="3", tree="8"),
+        # 1-gram matches: twelve tokens of a toy answer repeat no two for the lookup to find
+        drafting=DraftOptions(k="3", tree="8", ngram_min=1),
     )
     return replace(options, **changes)
 
