@@ -18,17 +18,23 @@ server's target alone (the median of per-repeat ratios), and specdec over llama-
 with the same drafter (the same). Greedy answers should match the same server's target
 alone: the count of those that do is printed (quantized models may part at near-ties).
 
+With `--mmproj` and `--image`, every server loads the projector and every question's
+first turn carries the pictures before its text (as `image_url` data URLs): speculation
+on the text after an image, against each server's target alone.
+
 Run it on an otherwise idle machine: anything else running changes the figures.
 
     python benchmarks/spec_bench_servers.py -m TARGET.gguf [-d DRAFT.gguf] \\
         --llama-server BIN [--prompts question.jsonl] [--per-category 2] [-n 128] \\
-        [--repeats 3] [-t N] [--json out.json]
+        [--repeats 3] [-t N] [--mmproj MMPROJ --image pic.png] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
+import mimetypes
 import shlex
 import sys
 import tempfile
@@ -104,14 +110,31 @@ def ask(client: openai.OpenAI, setup: Setup, messages: list[dict], n: int) -> tu
     return time.perf_counter() - start, reply
 
 
+def image_parts(paths: list[Path]) -> list[dict[str, Any]]:
+    """OpenAI content parts for the pictures, as data URLs."""
+    parts = []
+    for path in paths:
+        kind = mimetypes.guess_type(path.name)[0] or "image/png"
+        url = f"data:{kind};base64,{base64.b64encode(path.read_bytes()).decode()}"
+        parts.append({"type": "image_url", "image_url": {"url": url}})
+    return parts
+
+
 def ask_question(
-    client: openai.OpenAI, setup: Setup, question: Question, repeat: int, n: int
+    client: openai.OpenAI,
+    setup: Setup,
+    question: Question,
+    repeat: int,
+    n: int,
+    pictures: list[dict[str, Any]],
 ) -> list[TurnRecord]:
-    """The question's turns as one conversation, each after the setup's own answers."""
-    messages: list[dict[str, str]] = []
+    """The question's turns as one conversation, each after the setup's own answers; the
+    first turn shows the pictures (if any) before its text."""
+    messages: list[dict[str, Any]] = []
     records = []
     for turn, text in enumerate(question.turns):
-        messages.append({"role": "user", "content": text})
+        content = [*pictures, {"type": "text", "text": text}] if turn == 0 and pictures else text
+        messages.append({"role": "user", "content": content})
         seconds, reply = ask(client, setup, messages, n)
         answer = (reply.choices[0].message.content or "").strip()
         messages.append({"role": "assistant", "content": answer})
@@ -131,6 +154,7 @@ def measure(args: argparse.Namespace, setups: list[Setup], questions: list[Quest
     log_dir = Path(tempfile.mkdtemp(prefix="spec_bench_servers-"))
     print(f"Timing: nothing else may run on this machine while this measures. Logs: {log_dir}")
     records: list[TurnRecord] = []
+    pictures = image_parts(args.image)
     with ExitStack() as stack:
         # A server each, even where two share a command: a shared prompt cache would
         # spare the second of them the prompt that the first had just read.
@@ -150,7 +174,7 @@ def measure(args: argparse.Namespace, setups: list[Setup], questions: list[Quest
                 rotation += 1
                 for setup in setups[shift:] + setups[:shift]:
                     client = clients[setup.name]
-                    records += ask_question(client, setup, question, repeat, args.n)
+                    records += ask_question(client, setup, question, repeat, args.n, pictures)
             print(f"repeat {repeat + 1} of {args.repeats} done", file=sys.stderr)
     return records
 
@@ -221,13 +245,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("-d", "--draft", help="draft GGUF: adds llama-draft and specdec-draft")
     parser.add_argument("--llama-server", required=True, metavar="BIN", help="llama-server")
     parser.add_argument("--prompts", type=Path, help="a question file (default: Spec-Bench's)")
-    parser.add_argument("--per-category", type=int, default=2, help="first N a category (2)")
+    parser.add_argument(
+        "--per-category", type=int, help="first N a category (2 of Spec-Bench's; a file's: all)"
+    )
     parser.add_argument("-n", "--max-tokens", dest="n", type=int, default=128, help="(128)")
     parser.add_argument("--repeats", type=int, default=3, help="(3)")
     parser.add_argument("-c", "--ctx", type=int, default=4096, help="context, each server (4096)")
     parser.add_argument("-t", "--threads", type=int, help="threads, every server (their default)")
     parser.add_argument("--specdec-flags", default="", help="more flags for specdec serve")
     parser.add_argument("--llama-flags", default="", help="more flags for llama-server")
+    parser.add_argument("--mmproj", help="a projector, for every server")
+    parser.add_argument(
+        "--image", type=Path, action="append", default=[], help="a picture (repeatable)"
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--startup-timeout", type=float, default=600, help="seconds (600)")
     parser.add_argument("--stop-timeout", type=float, default=30, help="SIGINT, then kill (30)")
@@ -236,13 +266,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--json", type=Path, help="write every turn's figures here")
     args = parser.parse_args()
     args.parallel = 1  # llama_server_setup's slots: one client, one slot
+    if args.image and not args.mmproj:
+        parser.error("--image needs --mmproj")
+    if args.mmproj:
+        args.specdec_flags += f" --mmproj {shlex.quote(args.mmproj)}"
+        args.llama_flags += f" --mmproj {shlex.quote(args.mmproj)}"
     return args
 
 
 def main() -> None:
     args = parse_args()
     suite = None if args.prompts else "spec-bench"
-    questions = list(choose_workload(args.prompts, suite, args.per_category, {}).questions)
+    per_category = args.per_category if args.per_category is not None else (2 if suite else None)
+    questions = list(choose_workload(args.prompts, suite, per_category, {}).questions)
     setups = build_setups(args)
     for setup in setups:
         extra = f"  body + {json.dumps(setup.body)}" if setup.body else ""

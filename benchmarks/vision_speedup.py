@@ -5,7 +5,8 @@ The same question is asked with the images and without them, each by the target 
 speculating (the drafter of -d, fed the text alone), the four runs in turns that alternate
 their order from repeat to repeat; each run's tokens per second count generation only (the
 prompt, image included, is read before the clock starts). The encoder's time is measured
-on its own, every image encoded afresh each repeat. Medians over the repeats.
+on its own, every image encoded afresh each repeat. Medians over the repeats; a speedup is
+the median of each repeat's ratio, with its range.
 
     python benchmarks/vision_speedup.py -m TARGET --mmproj MMPROJ -d DRAFT \\
         --image pic.png [--image ...] [-p "Describe the picture in detail."] \\
@@ -59,6 +60,7 @@ def main() -> None:
     )
     media = [read_media(path) for path in args.image]
     rates: dict[tuple[str, str], list[float]] = {}
+    per_pass: dict[str, list[float]] = {}
     encode_seconds: list[float] = []
     with Engine(options) as engine:
         decoders = {"target": engine.make_decoder(None, "1"), "speculative": engine.decoder}
@@ -68,9 +70,11 @@ def main() -> None:
             runs = [(case, side) for case in CASES for side in decoders]
             for case, side in runs if rep % 2 == 0 else runs[::-1]:
                 with engine.prompt(args.prompt, chat, media if case == CASES[0] else ()) as prompt:
-                    rate = tokens_per_second(decoders[side], prompt, args.n_predict)
-                rates.setdefault((case, side), []).append(rate)
-    report(rates, encode_seconds, len(media))
+                    stats = generate(decoders[side], prompt, args.n_predict)
+                rates.setdefault((case, side), []).append(stats.tokens_per_second)
+                if side == "speculative":
+                    per_pass.setdefault(case, []).append(stats.tokens_per_pass)
+    report(rates, per_pass, encode_seconds, len(media))
 
 
 def time_encoding(engine: Engine, text: str, chat: ChatOptions, media: list[Media]) -> float:
@@ -85,20 +89,37 @@ def time_encoding(engine: Engine, text: str, chat: ChatOptions, media: list[Medi
         return time.perf_counter() - start
 
 
-def tokens_per_second(decoder: Decoder, prompt: MediaPrompt, n: int) -> float:
+def generate(decoder: Decoder, prompt: MediaPrompt, n: int) -> Stats:
     stats = Stats()
     rounds = decoder.generate(prompt.tokens, n, np.random.default_rng(0), stats, media=prompt.media)
     for _ in rounds:
         pass
-    return stats.tokens_per_second
+    return stats
 
 
-def report(rates: dict[tuple[str, str], list[float]], encode: list[float], n_media: int) -> None:
-    print(f"{'':18s} {'target tok/s':>13s} {'speculative':>12s} {'speedup':>8s}")
+def paired(over: list[float], under: list[float]) -> str:
+    """The median of the repeats' ratios, and their range."""
+    ratios = [a / b for a, b in zip(over, under, strict=True)]
+    return f"{statistics.median(ratios):.3f}x ({min(ratios):.3f}-{max(ratios):.3f})"
+
+
+def report(
+    rates: dict[tuple[str, str], list[float]],
+    per_pass: dict[str, list[float]],
+    encode: list[float],
+    n_media: int,
+) -> None:
+    print("case\ttarget tok/s\tspeculative tok/s\ttokens a pass\tspeedup (paired)")
     for case in CASES:
-        target = statistics.median(rates[case, "target"])
-        speculative = statistics.median(rates[case, "speculative"])
-        print(f"{case:18s} {target:13.1f} {speculative:12.1f} {speculative / target:7.2f}x")
+        target, speculative = rates[case, "target"], rates[case, "speculative"]
+        medians = [statistics.median(v) for v in (target, speculative, per_pass[case])]
+        cells = [case, *(f"{m:.{2 if i == 2 else 1}f}" for i, m in enumerate(medians))]
+        print("\t".join([*cells, paired(speculative, target)]))
+    image, text = (
+        [s / t for s, t in zip(rates[c, "speculative"], rates[c, "target"], strict=True)]
+        for c in CASES
+    )
+    print("speedup after the image over the speedup after text alone: " + paired(image, text))
     median = statistics.median(encode)
     print(f"encoding {n_media} image(s): {median * 1e3:.1f} ms (median of {len(encode)})")
 

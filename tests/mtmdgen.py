@@ -128,16 +128,17 @@ def vision_vocab() -> Vocab:
 
 
 def write_vision_pair(
-    folder: Path, mrope: bool = False, seed: int = 0, echo: bool = False
+    folder: Path, mrope: bool = False, seed: int = 0, echo: bool = False, n_ff: int = 64
 ) -> VisionPair:
     """The target (`target.gguf`) and projector (`mmproj.gguf`) in `folder` (see the
-    module's docstring for `mrope` and `echo`)."""
+    module's docstring for `mrope` and `echo`; `n_ff`: the layers' feed-forward width,
+    which sets what a pass costs and changes no argmax)."""
     rng = np.random.default_rng(seed)
     vocab = vision_vocab()
     n_vocab = len(vocab)
     n_embd = -(-(n_vocab + 3) // 64) * 64
     dims = ImageDims(n_vocab, n_vocab + 1, n_vocab + 2, n_embd)  # dimensions no token uses
-    hp = HParams(n_embd=n_embd, n_layer=2, n_head=1, n_head_kv=1, n_ff=64, n_ctx_train=2048)
+    hp = HParams(n_embd=n_embd, n_layer=2, n_head=1, n_head_kv=1, n_ff=n_ff, n_ctx_train=2048)
     ids = {text: i for i, text in enumerate(vocab.tokens)}
     answer = {"red": ids["▁red"], "blue": ids["▁blue"]}
     succ = successor_cycle(vocab, rng)
