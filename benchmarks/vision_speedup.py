@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("-m", "--model", type=Path, required=True)
     parser.add_argument("--mmproj", type=Path, required=True)
     parser.add_argument("-d", "--draft", default="ngram", help="a draft model, or ngram")
+    parser.add_argument(
+        "--mmproj-draft", type=Path, help="the draft model's own projector (else: text alone)"
+    )
     parser.add_argument("--image", type=Path, action="append", required=True)
     parser.add_argument("-p", "--prompt", default="Describe the picture in detail.")
     parser.add_argument("-n", "--n-predict", type=int, default=128)
@@ -54,6 +57,7 @@ def main() -> None:
         draft=None if lookup else Path(args.draft),
         ngram=True if lookup else None,
         mmproj=args.mmproj,
+        mmproj_draft=args.mmproj_draft,
         threads=args.threads,
         sampling=GREEDY,
         drafting=DraftOptions(k=args.k),
