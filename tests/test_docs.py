@@ -20,7 +20,7 @@ from specdec_cli.commands.cli import app
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 RESULTS = ROOT / "benchmarks" / "README.md"
-DOCS = [README, RESULTS, *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [README, RESULTS, ROOT / "benchmarks" / "method.md", *sorted((ROOT / "docs").glob("*.md"))]
 HEADLINE = "## What it gains"
 
 # Flags that the documents name for other tools: llama.cpp's own (its tools and
