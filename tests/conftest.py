@@ -39,7 +39,7 @@ from ggufgen import (
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.engine import Engine
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models.resolve import EMBEDDED_FILE, embedded_model
 

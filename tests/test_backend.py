@@ -15,7 +15,7 @@ from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import backend, rowexp, rpc
 from specdec_cli.llamacpp.backend import Device, pick_devices
-from specdec_cli.llamacpp.llama import ModelParams
+from specdec_cli.llamacpp.model import ModelParams
 
 GPUS = [Device("CUDA0", "NVIDIA A", 0x1000, 8 << 30, 6 << 30), Device("CUDA1", "NVIDIA B", 0x2000)]
 

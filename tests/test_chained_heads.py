@@ -36,7 +36,8 @@ from specdec_cli.decoding.heads import ChainedHeadDrafter
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.heads import ChainedMtpHead
 from specdec_cli.llamacpp.hiddenstates import record_hidden_states
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, ModelParams
 
 N_HEADS = 3
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models import chat
 from specdec_cli.models.chat import ChatFormat, ChatOptions, Message
 

@@ -19,7 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from test_cli_run import specdec
 from test_server import ServerProcess, start
 
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models import jinja
 from specdec_cli.models.chat import Message, render
 

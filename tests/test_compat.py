@@ -15,7 +15,7 @@ from gguf import GGUFValue, TokenType
 from ggufgen import Vocab, padded, spm_vocab
 from test_gguf_meta import flag, tiny_model, u32
 
-from specdec_cli.llamacpp.llama import VocabInfo, init_backend, read_vocab
+from specdec_cli.llamacpp.model import VocabInfo, init_backend, read_vocab
 from specdec_cli.models.compat import (
     CompatReport,
     ModelFacts,

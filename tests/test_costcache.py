@@ -15,7 +15,7 @@ from specdec_cli.decoding.sampling import GREEDY, SamplingParams
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
 from specdec_cli.llamacpp import backend, costcache
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 
 COSTS = Costs(0.004, 0.04, {1: 1.0, 2: 0.8, 3: 1.05}, 0.1)
 

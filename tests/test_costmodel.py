@@ -19,7 +19,8 @@ from specdec_cli.decoding.costmodel import (
     measure_costs,
     verify_cost,
 )
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, init_backend
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, init_backend
 
 # --- expected_tokens_per_pass: 1 + alpha + ... + alpha^k ---
 

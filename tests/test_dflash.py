@@ -37,7 +37,8 @@ from specdec_cli.decoding.heads import BlockDrafter
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.llamacpp.heads import DFlashHead
 from specdec_cli.llamacpp.hiddenstates import record_hidden_states
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, ModelParams
 
 N_PREDICT = 48
 

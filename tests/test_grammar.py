@@ -392,7 +392,7 @@ def test_a_schema_llguidance_refuses_is_said_at_load(target_model: Path) -> None
 
 
 def open_model(path: Path):
-    from specdec_cli.llamacpp.llama import Model, init_backend
+    from specdec_cli.llamacpp.model import Model, init_backend
 
     init_backend()
     return Model(path, vocab_only=True)
@@ -1207,7 +1207,7 @@ SMALL_STACK_SCRIPT = """
 import json, sys, threading
 from pathlib import Path
 from specdec_cli.decoding.grammar import Grammar
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 
 init_backend()
 model = Model(Path(sys.argv[1]), vocab_only=True)

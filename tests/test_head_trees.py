@@ -34,7 +34,8 @@ from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.heads import Eagle3Head, HeadContext
 from specdec_cli.llamacpp.hiddenstates import record_hidden_states
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, ModelParams
 
 N_PREDICT = 48
 # Verifying up to 64 tokens (four slots' trees) costs what one does: --tree auto grows trees.

@@ -43,7 +43,8 @@ from specdec_cli.decoding.stats import Stats
 from specdec_cli.llamacpp import hiddenstates
 from specdec_cli.llamacpp.heads import MtpHead
 from specdec_cli.llamacpp.hiddenstates import record_hidden_states
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, ModelParams
 
 N_PREDICT = 64
 

@@ -23,7 +23,7 @@ from test_cli_run import assert_user_error, specdec
 from test_server import start
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 from specdec_cli.models import chat, jinja
 from specdec_cli.models.chat import ChatFormat, Message
 from specdec_cli.serve.reasoning import opens_thinking

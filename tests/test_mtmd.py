@@ -23,14 +23,9 @@ from llamatools import TOOL_MARGIN, llama_tool
 from mtmdgen import CHATML, COLORS, VisionPair, png, write_mlp_projector, write_vision_pair
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import (
-    Context,
-    ContextParams,
-    Model,
-    apply_chat_template,
-    init_backend,
-)
+from specdec_cli.llamacpp.llama import Context, ContextParams
 from specdec_cli.llamacpp.media import MAX_MEDIA_BYTES, Media, media_from_bytes, read_media
+from specdec_cli.llamacpp.model import Model, apply_chat_template, init_backend
 from specdec_cli.llamacpp.mtmd import EmbeddingBatch, OnBatch, Projector, Prompt
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.mmproj import check_projector, read_projector

@@ -31,7 +31,8 @@ from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models.chat import ChatFormat, Message, chat_tokens, render
 
 N = 64

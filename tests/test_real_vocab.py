@@ -24,7 +24,7 @@ from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.decoding.textstream import TextStream
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 
 N_TOKENS = 32
 Opened = TypeVar("Opened", Model, Engine)

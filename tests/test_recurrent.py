@@ -23,7 +23,8 @@ from test_decode import (
     target_only,
 )
 
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model
 
 K_VALUES = [1, 3, 8, "auto"]
 FAMILIES = ["mamba", "hybrid"]

@@ -17,7 +17,7 @@ from mtmdgen import COLORS, VisionPair, png, write_vision_pair
 from test_mtmd import png_header, wav
 from test_server import ServerProcess, start
 
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 
 QUESTION = "What colour is it?"
 N = 8

@@ -13,7 +13,7 @@ import pytest
 from ggufgen import scripted_model
 from test_server import ServerProcess, start
 
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models import chat
 from specdec_cli.models.chat import ChatFormat, Message
 from specdec_cli.serve.toolcalls import (

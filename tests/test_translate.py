@@ -31,7 +31,7 @@ from specdec_cli.decoding.translate import (
     tokens_after,
     whole_text,
 )
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models.chat import ChatFormat, ChatOptions
 
 # Multi-byte characters of 2, 3 and 4 bytes, and text a story draft knows.

@@ -18,7 +18,8 @@ from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import parse_tree
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, NodeOdds
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model
 
 # A tree hanging from the last prompt token (index 0 of the call): three children, the
 # first with two of its own, the third with one.

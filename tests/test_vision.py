@@ -39,8 +39,9 @@ from specdec_cli.decoding.scheduler import Scheduler, Task
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions
 from specdec_cli.decoding.stats import Stats
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model
+from specdec_cli.llamacpp.llama import Context, ContextParams
 from specdec_cli.llamacpp.media import Media, media_from_bytes
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.llamacpp.mtmd import Projector
 from specdec_cli.models.chat import Message
 

@@ -26,7 +26,7 @@ from specdec_cli.decoding.settings import parse_k, parse_tree
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import backend, machine
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 from specdec_cli.models.chat import ChatFormat, Message, chat_tokens, render
 
 BUILTIN_PROMPTS = {

@@ -84,7 +84,7 @@ from specdec_cli.decoding.settings import (
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 from specdec_cli.messages import warn
 from specdec_cli.models.chat import ChatFormat, chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines

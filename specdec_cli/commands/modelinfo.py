@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from specdec_cli.decoding.translate import SharedVocab
-from specdec_cli.llamacpp.llama import Model, init_backend
+from specdec_cli.llamacpp.model import Model, init_backend
 from specdec_cli.models.compat import CompatReport, ModelFacts, read_facts
 from specdec_cli.models.config import load_config
 from specdec_cli.models.gguf_meta import GGUFFile

@@ -33,7 +33,7 @@ from specdec_cli.decoding.settings import (
     parse_tree,
 )
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import builtin_chat_templates
+from specdec_cli.llamacpp.model import builtin_chat_templates
 from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.messages import note
 from specdec_cli.models.config import Config, ModelSpec, PairSpec, load_config

@@ -57,7 +57,8 @@ import numpy as np
 
 from specdec_cli.decoding.grammar_text import LarkRules, gbnf_to_lark, heaviest_path, is_lark
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Model, common_prefix
+from specdec_cli.llamacpp.llama import common_prefix
+from specdec_cli.llamacpp.model import Model
 
 # The most forced tokens drafted in one round (see forced): a key or a fixed value.
 FORCED_MAX = 32

@@ -28,15 +28,9 @@ from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import backend, costcache, heads, rpc
 from specdec_cli.llamacpp.heads import DFlashHead, HeadContext
 from specdec_cli.llamacpp.hiddenstates import HiddenStates, record_hidden_states
-from specdec_cli.llamacpp.llama import (
-    LLAMA_MAX_SEQ,
-    Context,
-    ContextParams,
-    Model,
-    ModelParams,
-    init_backend,
-)
+from specdec_cli.llamacpp.llama import LLAMA_MAX_SEQ, Context, ContextParams
 from specdec_cli.llamacpp.machine import physical_cores
+from specdec_cli.llamacpp.model import Model, ModelParams, init_backend
 from specdec_cli.llamacpp.mtmd import Projector
 from specdec_cli.llamacpp.probe import choose_repack
 from specdec_cli.models import compat, gguf_meta

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from specdec_cli.decoding.decode import Round
 from specdec_cli.decoding.logprobs import TokenLogprob
 from specdec_cli.decoding.textstream import TextStream
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 
 TARGET = "target"  # a Piece's `by` when the target chose the token itself
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import ModelParams
+from specdec_cli.llamacpp.model import ModelParams
 
 DEFAULT_MAX_CTX = 4096
 # The most draft tokens --tree auto verifies in one round.

@@ -38,7 +38,7 @@ from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import GREEDY, Dist, Noise, SamplingParams
 from specdec_cli.llamacpp import costcache
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 
 # Plain English, to compare how many tokens each vocabulary spends on the same text.
 SAMPLE_TEXT = (

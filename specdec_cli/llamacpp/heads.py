@@ -54,7 +54,8 @@ from llama_cpp import llama_cpp_ext
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.headbatch import HeadBatch, Rows, rows_after
 from specdec_cli.llamacpp.hiddenstates import floats_at
-from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context, Model
+from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context
+from specdec_cli.llamacpp.model import Model
 
 # The architectures whose MTP graph gives a state for the rows with logits only (it
 # gathers them first): the others give one for every row.

@@ -28,8 +28,9 @@ import llama_cpp.mtmd_cpp as mtmd
 import numpy as np
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import FLASH_ATTN, Model
+from specdec_cli.llamacpp.llama import FLASH_ATTN
 from specdec_cli.llamacpp.media import Media, not_taken
+from specdec_cli.llamacpp.model import Model
 
 MARKER = mtmd.mtmd_default_marker().decode()  # where each image or clip goes in a prompt
 CHUNK_KINDS = {

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdec_cli.llamacpp import backend, costcache, machine
-from specdec_cli.llamacpp.llama import Context, ContextParams, Model, ModelParams, init_backend
+from specdec_cli.llamacpp.llama import Context, ContextParams
+from specdec_cli.llamacpp.model import Model, ModelParams, init_backend
 
 PROBE_COMMAND = (sys.executable, "-m", "specdec_cli.llamacpp.probe")
 PROBE_TIMEOUT = 300  # seconds; a tiny model decodes in milliseconds, but machines stall

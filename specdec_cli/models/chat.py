@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import Model, apply_chat_template, builtin_chat_templates
+from specdec_cli.llamacpp.model import Model, apply_chat_template, builtin_chat_templates
 from specdec_cli.models import jinja
 
 ROLES = ("system", "user", "assistant", "tool")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.llama import VocabInfo, read_vocab
+from specdec_cli.llamacpp.model import VocabInfo, read_vocab
 from specdec_cli.models.gguf_meta import GGUFFile, read_gguf
 
 MAX_SIZE_DIFFERENCE = 128  # llama.cpp's SPEC_VOCAB_MAX_SIZE_DIFFERENCE

@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 
 from specdec_cli.decoding.logprobs import LogprobOptions, TokenLogprob
-from specdec_cli.llamacpp.llama import Model
+from specdec_cli.llamacpp.model import Model
 
 # JSON has no -inf (Starlette refuses to write it): vLLM's stand-in for a token the
 # distribution cannot draw. An emitted token never is one; a listed alternative is not.
