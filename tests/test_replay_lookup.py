@@ -6,13 +6,12 @@ lookup must never make a category slower than the target alone; where it is near
 
 from __future__ import annotations
 
-import importlib.util
 import statistics
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from benchscripts import load_benchmark
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draftlength import AutoLength
@@ -34,13 +33,7 @@ def costs(verify: dict[int, float]) -> Costs:
 
 @pytest.fixture(scope="module")
 def replay_lookup() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_lookup.py"
-    spec = importlib.util.spec_from_file_location("replay_lookup", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("replay_lookup")
 
 
 def speedups(module: ModuleType, name: str, curve: dict[int, float], **options) -> dict:

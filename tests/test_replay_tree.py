@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -11,6 +9,7 @@ from types import ModuleType
 
 import numpy as np
 import pytest
+from benchscripts import load_benchmark
 from test_decode import open_engine
 
 from specdec_cli.decoding.draft import Draft
@@ -27,13 +26,7 @@ N_PREDICT = 40
 
 @pytest.fixture(scope="module")
 def replay_tree() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "replay_tree.py"
-    spec = importlib.util.spec_from_file_location("replay_tree", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("replay_tree")
 
 
 def test_accepted_path_follows_the_text_down_the_tree(replay_tree: ModuleType) -> None:
