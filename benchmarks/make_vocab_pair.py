@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from ggufgen import ffn_weights, random_matrix, write_gguf  # noqa: E402
-from make_wide_target import quantize_q8_0  # noqa: E402
+from make_wide_target import quantize  # noqa: E402
 
 DEFAULT_OUT = REPO / "benchmarks" / "out"
 HEAD_DIM = 16
@@ -198,7 +198,7 @@ def write_q8_0(path: Path, metadata: dict[str, GGUFValue], tensors: dict) -> int
     f32 = path.with_name(path.stem + ".f32.gguf")
     try:
         write_gguf(f32, metadata, tensors)
-        quantize_q8_0(f32, path)
+        quantize(f32, path, "q8_0")
     finally:
         f32.unlink(missing_ok=True)
     return sum(w.size for w in tensors.values())

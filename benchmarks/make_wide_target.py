@@ -7,9 +7,10 @@ layers are appended. The new units' ffn_down columns and the new layers'
 attn_output/ffn_down are scaled by --eps, so the target computes like a ~46M
 parameter model but mostly repeats stories260K's predictions; eps sets how often
 they differ. The result is quantized to Q8_0 (memory-bound on CPU, like real
-models). See benchmarks/README.md.
+models), or to --type. See benchmarks/README.md.
 
-    python benchmarks/make_wide_target.py [stories260K.gguf] [--eps 0.10] [--out PATH]
+    python benchmarks/make_wide_target.py [stories260K.gguf] [--eps 0.10] [--ffn 8192]
+        [--extra-layers 24] [--type q8_0|q4_0|q5_0|f16] [--out PATH]
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from ggufgen import ffn_weights, llama_block, read_f32_model, write_gguf  # noqa
 DEFAULT_MODEL = REPO.parent / "shared" / "models" / "stories260K.gguf"
 DEFAULT_OUT = REPO / "benchmarks" / "out" / "wide-target-q8_0.gguf"
 DEFAULT_EPS = 0.10
-Q8_0_BLOCK = 32  # Q8_0 quantizes rows in blocks of 32 values
+QUANT_BLOCK = 32  # Q8_0, Q5_0 and Q4_0 quantize rows in blocks of 32 values
+FILE_TYPES = {
+    "q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+    "q5_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_0,
+    "q4_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0,
+    "f16": llama_cpp.LLAMA_FTYPE_MOSTLY_F16,
+}
 
 
 def widen(
@@ -50,8 +57,8 @@ def widen(
     n_head = metadata["llama.attention.head_count"].value
     n_head_kv = metadata["llama.attention.head_count_kv"].value
     old_ff = metadata["llama.feed_forward_length"].value
-    if n_ff <= old_ff or n_ff % Q8_0_BLOCK or n_embd % Q8_0_BLOCK:
-        sys.exit(f"--ffn must exceed {old_ff} and be a multiple of {Q8_0_BLOCK} (Q8_0 rows)")
+    if n_ff <= old_ff or n_ff % QUANT_BLOCK or n_embd % QUANT_BLOCK:
+        sys.exit(f"--ffn must exceed {old_ff} and be a multiple of {QUANT_BLOCK} (quant rows)")
 
     rng = np.random.default_rng(seed)
     wide = {name: w for name, w in tensors.items() if not name.startswith("blk.")}
@@ -72,10 +79,10 @@ def widen(
     return metadata, wide
 
 
-def quantize_q8_0(source: Path, out: Path) -> None:
-    """Q8_0 with llama.cpp's own quantizer (1-D norm tensors stay F32)."""
+def quantize(source: Path, out: Path, file_type: str) -> None:
+    """Quantize with llama.cpp's own quantizer (1-D norm tensors stay F32)."""
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0
+    params.ftype = FILE_TYPES[file_type]
     status = llama_cpp.llama_model_quantize(
         str(source).encode(), str(out).encode(), ctypes.byref(params)
     )
@@ -88,13 +95,16 @@ def main() -> None:
     parser.add_argument(
         "model", nargs="?", type=Path, default=DEFAULT_MODEL, help="all-F32 llama GGUF to widen"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="Q8_0 file to write")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="GGUF file to write")
     parser.add_argument("--ffn", type=int, default=8192, help="feed-forward width (default 8192)")
     parser.add_argument("--extra-layers", type=int, default=24, help="layers added (default 24)")
     parser.add_argument(
         "--eps", type=float, default=DEFAULT_EPS, help=f"scale of new outputs ({DEFAULT_EPS})"
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    parser.add_argument(
+        "--type", choices=FILE_TYPES, default="q8_0", help="weights' type (default q8_0)"
+    )
     parser.add_argument("--verbose", action="store_true", help="show llama.cpp's quantizer log")
     args = parser.parse_args()
     if not args.model.is_file():
@@ -111,14 +121,15 @@ def main() -> None:
     f32 = args.out.with_name(args.out.stem + ".f32.gguf")
     try:
         write_gguf(f32, metadata, tensors)
-        quantize_q8_0(f32, args.out)
+        quantize(f32, args.out, args.type)
     finally:
         f32.unlink(missing_ok=True)  # 180 MB of F32 is only a stepping stone
     n_params = sum(w.size for w in tensors.values())
     print(
         f"wrote {args.out}: {metadata['llama.block_count'].value} layers, "
         f"ffn {args.ffn}, eps {args.eps}, seed {args.seed}, {n_params / 1e6:.1f}M parameters, "
-        f"Q8_0, {args.out.stat().st_size / 1e6:.1f} MB in {time.perf_counter() - start:.1f} s"
+        f"{args.type.upper()}, {args.out.stat().st_size / 1e6:.1f} MB "
+        f"in {time.perf_counter() - start:.1f} s"
     )
 
 

@@ -8,6 +8,8 @@ specdec's defaults meet llama.cpp at its best setting (`--spec-type
 ngram-mod,draft-simple`: its own lookup before its draft model, as specdec's default).
 Each setting's ratio is also taken paired, against specdec's neighbouring passes: the
 machine's speed can shift by a third between the first and the last alternation.
+`--specdec-k` adds specdec itself at each fixed draft length as rivals, so that its
+defaults also meet its own best fixed setting.
 
 One measurement is a pass over every prompt (by default `specdec bench`'s built-in
 five): its speed is their tokens over their seconds. A single prompt is a poor judge:
@@ -22,7 +24,7 @@ Build the tools from the llama.cpp tree in llama-cpp-python's source distributio
 --target llama-speculative-simple llama-completion`. See benchmarks/README.md.
 
     python benchmarks/vs_llama_cpp.py --llama BIN -m TARGET [-d DRAFT] [--k 2,3,4] [--fa on,off]
-        [--spec-type TYPES ...] [-p PROMPT ...]
+        [--spec-type TYPES ...] [--specdec-k 2,3,4] [-p PROMPT ...] [--json FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
@@ -56,11 +59,12 @@ def over_prompts(speed: Callable[..., float]) -> Callable[..., float]:
 
 
 @over_prompts
-def specdec_speed(args: argparse.Namespace, prompt: str) -> float:
+def specdec_speed(args: argparse.Namespace, prompt: str, *flags: str) -> float:
+    """specdec run with the --specdec-flags, then these flags (the later flag wins)."""
     command = [
         sys.executable, "-m", "specdec_cli", "run", "-m", args.model, "-d", args.draft or "none",
         "-p", prompt, "-n", str(args.n), "--temp", "0", "-t", str(args.threads),
-        "-c", str(args.ctx), "--json", *args.specdec_flags,
+        "-c", str(args.ctx), "--json", *args.specdec_flags, *flags,
     ]  # fmt: skip
     result = subprocess.run(command, capture_output=True, text=True, check=True)
     return float(json.loads(result.stdout)["tokens_per_second"])
@@ -121,6 +125,10 @@ def main() -> None:
         "with the draft model: "
         "ngram-simple,draft-simple (its n-gram flags go in --llama-flags)"
     )  # fmt: skip
+    parser.add_argument(
+        "--specdec-k", default="", help="specdec's own fixed draft lengths to try as rivals "
+        "of its defaults (e.g. 2,3,4)"
+    )  # fmt: skip
     parser.add_argument("--repeat", type=int, default=5, help="alternations (5)")
     parser.add_argument("--specdec-flags", default="", help="extra flags for specdec run")
     parser.add_argument("--llama-flags", default="", help="extra flags for llama.cpp")
@@ -140,28 +148,47 @@ def main() -> None:
         for k in (args.k.split(",") if args.draft else ["0"])
         for fa in args.fa.split(",")
     ]
+    rivals: dict[str, Callable[[], float]] = {
+        f"specdec -k {k}": partial(specdec_speed, args, "-k", k)
+        for k in filter(None, args.specdec_k.split(","))
+    }
+    rivals |= {
+        llama_name(*variant): partial(llama_speed, args, *variant) for variant in llama_variants
+    }
     specdec_speed(args)  # warm-up: the first run may measure costs and -fa auto, once
-    runs: dict[str, list[float]] = {"specdec": []}
-    runs |= {llama_name(*variant): [] for variant in llama_variants}
+    runs: dict[str, list[float]] = {"specdec": []} | {name: [] for name in rivals}
     for _ in range(args.repeat):
         runs["specdec"].append(specdec_speed(args))
-        for variant in llama_variants:
-            runs[llama_name(*variant)].append(llama_speed(args, *variant))
+        for name, speed in rivals.items():
+            runs[name].append(speed())
             runs["specdec"].append(specdec_speed(args))  # alternate: drift hits both
+    report(runs, args.json)
 
+
+def report(runs: dict[str, list[float]], json_path: Path | None) -> None:
+    """Each side's median, specdec's paired ratio to it, and the verdicts against
+    llama.cpp's best setting and specdec's own best fixed one."""
     medians = {name: statistics.median(values) for name, values in runs.items()}
     paired = paired_ratios(runs)
-    best = max((name for name in medians if name != "specdec"), key=medians.__getitem__)
     for name, value in medians.items():
         spread = f"{min(runs[name]):.1f}-{max(runs[name]):.1f}"
         ratio = f"  specdec {paired[name]:.3f}x this" if name in paired else ""
         print(f"{name:42} {value:7.1f} tok/s  (min-max {spread}, {len(runs[name])} runs){ratio}")
-    print(f"specdec / llama.cpp at its best ({best}): {medians['specdec'] / medians[best]:.3f}x")
+    best = {}
+    for side in ("llama", "specdec -k"):
+        names = [name for name in paired if name.startswith(side)]
+        if names:
+            best[side] = max(names, key=medians.__getitem__)
+            ratio = medians["specdec"] / medians[best[side]]
+            print(
+                f"specdec / {side} at its best ({best[side]}): {ratio:.3f}x, "
+                f"paired {paired[best[side]]:.3f}x"
+            )
     closest = min(paired, key=paired.__getitem__)
     print(f"specdec / its closest rival, paired ({closest}): {paired[closest]:.3f}x")
-    if args.json:
+    if json_path:
         record = {"runs": runs, "medians": medians, "best": best, "paired": paired}
-        args.json.write_text(json.dumps(record, indent=1))
+        json_path.write_text(json.dumps(record, indent=1))
 
 
 def paired_ratios(runs: dict[str, list[float]]) -> dict[str, float]:
@@ -169,7 +196,7 @@ def paired_ratios(runs: dict[str, list[float]]) -> dict[str, float]:
     its runs just before and just after) over that setting's. This machine's speed
     shifts by a third within minutes; a ratio of neighbours cancels most of that, where
     a ratio of medians taken minutes apart does not."""
-    names = [name for name in runs if name != "specdec"]
+    names = [name for name in runs if name != "specdec"]  # in the order they were run
     specdec, stride = runs["specdec"], len(names) + 1  # specdec runs first and after each
     return {
         name: statistics.median(

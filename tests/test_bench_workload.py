@@ -26,7 +26,7 @@ from specdec_cli.commands.bench import (
     run_bench,
     variants,
 )
-from specdec_cli.commands.cli import bench_workload
+from specdec_cli.commands.benchjob import bench_workload
 from specdec_cli.commands.display import CATEGORY_COLUMNS, print_bench
 from specdec_cli.commands.workload import (
     Question,

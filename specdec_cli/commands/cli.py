@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import difflib
-import json
-import os
 import signal
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated
@@ -17,24 +13,22 @@ import typer
 
 from specdec_cli import __version__, interrupt
 from specdec_cli.commands.bench import (
-    BUILTIN_PROMPTS,
     BenchOptions,
-    BenchReport,
-    Variant,
     fit_context,
     longest_k,
-    run_bench,
     variants,
     widest_tree,
 )
-from specdec_cli.commands.display import (
-    DRAFTED_COLOR,
-    TARGET_COLOR,
-    bench_progress,
-    load_pyplot,
-    print_bench,
-    write_plot,
+from specdec_cli.commands.benchjob import (
+    bench_workload,
+    check_outputs,
+    drafter_kinds,
+    measure,
+    split_list,
+    vocabulary,
+    write_outputs,
 )
+from specdec_cli.commands.display import DRAFTED_COLOR, TARGET_COLOR, print_bench
 from specdec_cli.commands.options import (
     MODEL_HELP,
     ConfigOpt,
@@ -64,29 +58,24 @@ from specdec_cli.commands.options import (
     ignored_options,
     only_given,
     shared_options,
-    split_drafts,
     takes_chat_flags,
     takes_engine_flags,
     takes_projector_flags,
     temp_option,
 )
 from specdec_cli.commands.prompts import read_media_files, read_prompt, read_prompts
-from specdec_cli.commands.runner import Output, generate, loaded_engine, logprob_options
-from specdec_cli.commands.workload import Workload, choose_workload
+from specdec_cli.commands.runner import Output, generate, logprob_options
 from specdec_cli.decoding.engine import NO_PROJECTOR
 from specdec_cli.decoding.logprobs import MAX_TOP
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import (
-    EngineOptions,
     GenerationOptions,
-    model_drafter_kind,
     parse_tree,
 )
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp import rpc
-from specdec_cli.llamacpp.model import Model, init_backend
 from specdec_cli.messages import warn
-from specdec_cli.models.chat import ChatFormat, chat_format, chat_options
+from specdec_cli.models.chat import chat_format, chat_options
 from specdec_cli.models.config import load_config, pair_lines
 from specdec_cli.models.gguf_meta import read_gguf
 from specdec_cli.models.heads import HEAD_FILES
@@ -530,15 +519,15 @@ def bench(
       specdec bench -m target.gguf -d draft.gguf -d ngram -k 1,2,4,8,auto --json out.json
       specdec bench -m chat-model.gguf -d ngram -k auto --suite spec-bench --per-category 2
     """
-    _check_outputs(json_path, plot_path)
+    check_outputs(json_path, plot_path)
     workload = bench_workload(prompts, suite, per_category, chat_format(**chat_flags))
     constraint = grammar_option(grammar, grammar_file, json_schema, json_schema_file)
     drafts = draft or []
-    kinds = _drafter_kinds(drafts, engine_flags["ngram"])
+    kinds = drafter_kinds(drafts, engine_flags["ngram"])
     plan = BenchOptions(
         **only_given(ks=k, trees=tree, n_predict=n_predict, repeat=repeat, seed=seed)
     )
-    ks, trees = _split_list(plan.ks), _split_list(plan.trees)
+    ks, trees = split_list(plan.ks), split_list(plan.trees)
     variant_list = variants(kinds, ks, trees)
     flags = shared_options(locals())
     flags["temp"] = first_given(temp, BenchOptions.temp)
@@ -551,96 +540,9 @@ def bench(
         with vocabulary(options) as vocab:
             n_ctx = fit_context(vocab, workload, plan.n_predict, ks, widest)
         options = replace(options, n_ctx=n_ctx)
-    report = _measure(options, variant_list, workload, plan)
+    report = measure(options, variant_list, workload, plan)
     print_bench(report)
-    _write_outputs(report, json_path, plot_path)
-
-
-def bench_workload(
-    prompts: Path | None, suite: str | None, per_category: int | None, chat: ChatFormat
-) -> Workload:
-    """--prompts, --suite and --per-category; the chat flags shape questions only."""
-    workload = choose_workload(prompts, suite, per_category, BUILTIN_PROMPTS)
-    if workload.chat is None:
-        if chat != ChatFormat():
-            raise UserError(
-                "--chat-template, --chat-template-file, --jinja and --chat-template-kwargs "
-                "format questions (--suite, a .jsonl --prompts file); plain prompts go to "
-                "the model as written: drop them"
-            )
-        return workload
-    return replace(workload, chat=chat)
-
-
-@contextmanager
-def vocabulary(options: EngineOptions) -> Iterator[Model]:
-    """The target's vocabulary alone (no weights): enough to size the context."""
-    init_backend(options.verbose)
-    model = Model(options.target, vocab_only=True)
-    try:
-        yield model
-    finally:
-        model.close()
-
-
-def _split_list(value: str) -> list[str]:
-    return [x.strip() for x in value.split(",") if x.strip()]
-
-
-def _check_outputs(json_path: Path | None, plot_path: Path | None) -> None:
-    """Fail now, not after minutes of measuring."""
-    for path, flag in ((json_path, "--json"), (plot_path, "--plot")):
-        if path:
-            check_writable(path, flag)
-    if plot_path:
-        load_pyplot()
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """Refuse, before any work, a path that a file cannot be written to."""
-    if path.is_dir():
-        raise UserError(f"{flag} {path} is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise UserError(f"{flag} {path}: there is no directory {path.parent}; create it first")
-    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{flag} {path}: not writable here; choose another path")
-
-
-def _drafter_kinds(drafts: list[str], ngram: bool | None) -> list[str]:
-    """What -d names: each of a model (or the target's head, 'mtp') and 'ngram' alone, and
-    both together (lookup first); a model alone drafts as `run` would (with lookup first,
-    unless --no-ngram)."""
-    if not drafts:
-        raise UserError("nothing to compare: pass a draft model, 'mtp' and/or 'ngram' with -d")
-    model_draft, lookup = split_drafts(drafts)
-    model = HEAD if any(d.lower() == HEAD for d in drafts) else "model" if model_draft else None
-    if model and not lookup:
-        return [model_drafter_kind(ngram, model)]
-    kinds = [kind for kind in (model, "ngram" if lookup else None) if kind]
-    if len(kinds) == 2:
-        kinds.append(f"{model}+ngram")
-    return kinds
-
-
-def _measure(
-    options: EngineOptions, variant_list: list[Variant], workload: Workload, plan: BenchOptions
-) -> BenchReport:
-    """Every variant on every prompt, as often as the plan says, with a progress bar."""
-    with loaded_engine(options) as engine:
-        total = len(variant_list) * workload.generations * plan.repeat
-        with bench_progress(total) as advance:
-            return run_bench(engine, variant_list, workload, plan, advance)
-
-
-def _write_outputs(report: BenchReport, json_path: Path | None, plot_path: Path | None) -> None:
-    """--json and --plot."""
-    if json_path:
-        try:
-            json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        except OSError as err:
-            raise UserError(f"cannot write {json_path}: {err.strerror or err}") from None
-    if plot_path:
-        write_plot(report, str(plot_path))
+    write_outputs(report, json_path, plot_path)
 
 
 @app.command()
