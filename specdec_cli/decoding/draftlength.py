@@ -181,10 +181,6 @@ class RunningMean:
     def __init__(self) -> None:
         self.value, self._n = 0.0, 0
 
-    @property
-    def seen(self) -> bool:
-        return self._n > 0
-
     def add(self, sample: float, rate: float) -> None:
         self._n += 1
         self.value += max(rate, 1.0 / self._n) * (sample - self.value)
@@ -196,11 +192,8 @@ class RoundCosts:
     The relative costs of the batch sizes keep their measured values, which were taken
     side by side (learning them one size at a time would mix in the machine's drift);
     the seconds of a target token and of a draft call follow the machine as it runs,
-    and so does a round's time outside llama.cpp (Python's), which favours longer drafts
-    (left out, short ones looked cheaper than they ran). A drafting round spends more
-    of it than a round without a draft (the drafter's own work, the draft staged and its
-    rows read), about the same whatever its length: learnt apart, or drafting that only
-    broke even by the decode calls ran slower than the target alone. So does
+    and so does a round's time outside llama.cpp (Python's), the same for any k, which
+    favours longer drafts (left out, short ones looked cheaper than they ran). So does
     the time the target takes to make a draft undoable and to undo its rejected tokens,
     which only drafting rounds pay: next to nothing for an attention cache, but where a
     recurrent state must be copied (a family without llama.cpp's snapshots, a draft
@@ -215,8 +208,7 @@ class RoundCosts:
         self.calls_per_round = costs.calls_per_round
         self.verify = costs.verify
         self.switch = costs.switch
-        self.other = RunningMean()  # an undrafted round's time outside the decode calls
-        self.drafting_other = RunningMean()  # a drafting round's (see the class)
+        self.other = RunningMean()  # a round's time outside the decode calls
         self.rollback = RunningMean()  # a drafting round's undoing (see the class)
         self._last_batch = -1  # the last verification's batch size
 
@@ -225,17 +217,11 @@ class RoundCosts:
         previous round's draft was accepted whole with probability `survive`: then the
         draft model has two tokens to catch up on instead of one (each a target token's
         worth of calls, for a draft of another vocabulary)."""
-        verifying = self.verify[k + 1] * self.target_seconds + self.other_seconds(k)
+        verifying = self.verify[k + 1] * self.target_seconds + self.other.value
         if not k:
             return verifying
         calls = (k + survive) * self.calls_per_token + self.calls_per_round
         return calls * self.draft_seconds + self.rollback.value + verifying
-
-    def other_seconds(self, k: int) -> float:
-        """A round's time outside the decode calls, drafting k tokens: until a drafting
-        round was timed, an undrafted one's."""
-        drafting = k > 0 and self.drafting_other.seen
-        return (self.drafting_other if drafting else self.other).value
 
     def modelled(self, calls: int, batch: int) -> tuple[float, float]:
         """Drafting's and verification's seconds for a round that was not timed."""
@@ -264,8 +250,7 @@ class RoundCosts:
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_batch = batch
         if other_seconds is not None:
-            other = self.drafting_other if batch > 1 else self.other
-            other.add(max(0.0, other_seconds), rate)
+            self.other.add(max(0.0, other_seconds), rate)
         if rollback_seconds is not None:
             self.rollback.add(rollback_seconds, rate)
 
@@ -625,4 +610,4 @@ class AutoLength:
         costs = self.costs
         plain = costs.of(0)
         rebuilds = 2 * costs.switch * costs.target_seconds
-        return max(0.0, (seconds + rebuilds + costs.other_seconds(1)) / plain - 1.0)
+        return max(0.0, (seconds + rebuilds + costs.other.value) / plain - 1.0)
