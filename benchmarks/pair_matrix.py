@@ -33,8 +33,13 @@ PAIRS = {
 }
 
 
+def stem(name: str) -> str:
+    """The pair's file names: its target's, its record's."""
+    return f"pair-{name.replace(' ', '')}"
+
+
 def build(stories: Path, name: str, out: Path) -> Path:
-    target = out / f"pair-{name.replace(' ', '')}.gguf"
+    target = out / f"{stem(name)}.gguf"
     if not target.is_file():
         command = [sys.executable, str(HERE / "make_wide_target.py"), str(stories)]
         subprocess.run([*command, *PAIRS[name], "--out", str(target)], check=True)
@@ -42,7 +47,7 @@ def build(stories: Path, name: str, out: Path) -> Path:
 
 
 def measure(args: argparse.Namespace, name: str, target: Path) -> dict:
-    record = args.out / f"pair-{name.replace(' ', '')}.json"
+    record = args.out / f"{stem(name)}.json"
     prompts = [arg for n in args.prompts.split(",") for arg in ("-p", BUILTIN_PROMPTS[n])]
     command = [
         sys.executable, str(HERE / "vs_llama_cpp.py"), "--llama", args.llama,
@@ -55,12 +60,13 @@ def measure(args: argparse.Namespace, name: str, target: Path) -> dict:
 
 
 def row(name: str, record: dict) -> str:
-    """A markdown row: the defaults, then each side's best and specdec's paired ratio."""
+    """A markdown row: the defaults, then each side's best and specdec's paired ratio
+    (a side not run, such as specdec's fixed k without --specdec-k: dashes)."""
     medians, paired = record["medians"], record["paired"]
     cells = [name, f"{medians['specdec']:.1f}"]
     for side in ("specdec -k", "llama"):
-        best = record["best"][side]
-        cells += [f"{best} ({medians[best]:.1f})", f"{paired[best]:.3f}x"]
+        best = record["best"].get(side)
+        cells += [f"{best} ({medians[best]:.1f})", f"{paired[best]:.3f}x"] if best else ["-", "-"]
     return "| " + " | ".join(cells) + " |"
 
 
