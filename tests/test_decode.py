@@ -152,6 +152,7 @@ def test_greedy_smaller_draft(
         assert len(stats.draft_lengths) > 1  # the length really varies
 
 
+@pytest.mark.usefixtures("moderate_costs")  # measured, the draft model may not pay
 @pytest.mark.parametrize("k", [1, 4, "auto"])
 def test_greedy_q8_0(q8_pair: tuple[Path, Path], k: int | str) -> None:
     """Quantized weights: on this pair no near-tie falls the other way between a one-token
@@ -160,7 +161,9 @@ def test_greedy_q8_0(q8_pair: tuple[Path, Path], k: int | str) -> None:
     with open_engine(target, draft, k) as engine:
         out, stats = generate(engine)
     assert out == target_only(target)
-    assert 0.0 < stats.acceptance_rate < 1.0
+    # -k auto prices a round's Python by the clock: where a drafting round of these tiny
+    # models costs more than it saves, it drafts only its probes.
+    assert 0.0 < stats.acceptance_rate < 1.0 if k != "auto" else stats.drafted > 0
 
 
 # -k auto by pinned costs: a measured curve can leave the model's drafting unpaid (a flake)

@@ -96,6 +96,9 @@ class Decoder:
         self.lengths_adapt = drafter is not None and all(
             isinstance(p, AutoLength) for p in policies
         )
+        autos = [p for p in policies if isinstance(p, AutoLength)]
+        for policy in autos[1:]:
+            policy.share_plain_rounds(autos[0])
         self.grammar: Grammar | None = None  # what generations follow unless they say
 
     def start(

@@ -181,6 +181,10 @@ class RunningMean:
     def __init__(self) -> None:
         self.value, self._n = 0.0, 0
 
+    @property
+    def seen(self) -> bool:
+        return self._n > 0
+
     def add(self, sample: float, rate: float) -> None:
         self._n += 1
         self.value += max(rate, 1.0 / self._n) * (sample - self.value)
@@ -192,8 +196,15 @@ class RoundCosts:
     The relative costs of the batch sizes keep their measured values, which were taken
     side by side (learning them one size at a time would mix in the machine's drift);
     the seconds of a target token and of a draft call follow the machine as it runs,
-    and so does a round's time outside llama.cpp (Python's), the same for any k, which
-    favours longer drafts (left out, short ones looked cheaper than they ran). So does
+    and so does a round's time outside llama.cpp (Python's), which favours longer drafts
+    (left out, short ones looked cheaper than they ran). A drafting round spends more of
+    it than one without a draft (the drafter's own work, the draft staged, its rows
+    read), about the same whatever its length: once rounds of both kinds were timed,
+    they are priced apart (priced as one, a draft that only broke even by the decode
+    calls kept drafting, slower than the target alone). Until then, the one kind seen
+    stands for both. A round without a draft costs the same whichever policy had it:
+    every policy of a decoder learns from the one `plain` mean (a lookup's policy beside
+    a model's never has such a round). So does
     the time the target takes to make a draft undoable and to undo its rejected tokens,
     which only drafting rounds pay: next to nothing for an attention cache, but where a
     recurrent state must be copied (a family without llama.cpp's snapshots, a draft
@@ -201,14 +212,16 @@ class RoundCosts:
     each.
     """
 
-    def __init__(self, costs: Costs) -> None:
+    def __init__(self, costs: Costs, plain: RunningMean | None = None) -> None:
         self.target_seconds = t = costs.target_seconds
         self.draft_seconds = costs.draft_over_target * t  # a draft call's
         self.calls_per_token = costs.calls_per_token
         self.calls_per_round = costs.calls_per_round
         self.verify = costs.verify
         self.switch = costs.switch
-        self.other = RunningMean()  # a round's time outside the decode calls
+        # A round's time outside the decode calls, without a draft and with one
+        self.plain = RunningMean() if plain is None else plain
+        self.drafting = RunningMean()
         self.rollback = RunningMean()  # a drafting round's undoing (see the class)
         self._last_batch = -1  # the last verification's batch size
 
@@ -217,11 +230,16 @@ class RoundCosts:
         previous round's draft was accepted whole with probability `survive`: then the
         draft model has two tokens to catch up on instead of one (each a target token's
         worth of calls, for a draft of another vocabulary)."""
-        verifying = self.verify[k + 1] * self.target_seconds + self.other.value
+        verifying = self.verify[k + 1] * self.target_seconds + self.python(k)
         if not k:
             return verifying
         calls = (k + survive) * self.calls_per_token + self.calls_per_round
         return calls * self.draft_seconds + self.rollback.value + verifying
+
+    def python(self, k: int) -> float:
+        """A round's time outside the decode calls, drafting k tokens (see the class)."""
+        mine, other = (self.drafting, self.plain) if k else (self.plain, self.drafting)
+        return (mine if mine.seen else other).value
 
     def modelled(self, calls: int, batch: int) -> tuple[float, float]:
         """Drafting's and verification's seconds for a round that was not timed."""
@@ -249,8 +267,9 @@ class RoundCosts:
             per_token = verify_seconds / verify_cost(self.verify, batch)
             self.target_seconds += slow * (per_token - self.target_seconds)
         self._last_batch = batch
-        if other_seconds is not None:
-            self.other.add(max(0.0, other_seconds), rate)
+        if other_seconds is not None:  # (a batch of one drafted nothing)
+            python = self.drafting if batch > 1 else self.plain
+            python.add(max(0.0, other_seconds), rate)
         if rollback_seconds is not None:
             self.rollback.add(rollback_seconds, rate)
 
@@ -375,6 +394,9 @@ class AutoLength:
         self.uses_confidence = uses_confidence
         self.prior, self.decay = prior, decay
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
+        # Python's time in a round without a draft, as the generations whose text no
+        # draft changes show it (see RoundCosts and share_plain_rounds).
+        self._plain = RunningMean()
         # What the measured costs alone decide, the same at every generation's start;
         # for generations whose text no draft changes (invariant), and for the others.
         settled = self._pricing(costs)
@@ -428,7 +450,7 @@ class AutoLength:
         kept = self._invariant_learnt if invariant else None
         if kept is None:
             kept = Learnt(
-                RoundCosts(self.pricing.costs),
+                RoundCosts(self.pricing.costs, self._plain if invariant else None),
                 PositionAcceptance(self.k_max, self.prior, self.decay),
                 Calibration(),
                 1.0 / self.pricing.costs.target_seconds,  # tokens/s; target-only to start
@@ -446,6 +468,12 @@ class AutoLength:
         self._plan = 0
         self._estimates: list[float] = []
         self._survive = 1.0
+
+    def share_plain_rounds(self, other: AutoLength) -> None:
+        """Price a round without a draft as `other` learns it: another policy of the same
+        decoder, which may be the one those rounds fall to (see RoundCosts). Before the
+        first generation."""
+        self._plain = other._plain
 
     def _learnt(self) -> Learnt:
         return Learnt(
@@ -610,4 +638,4 @@ class AutoLength:
         costs = self.costs
         plain = costs.of(0)
         rebuilds = 2 * costs.switch * costs.target_seconds
-        return max(0.0, (seconds + rebuilds + costs.other.value) / plain - 1.0)
+        return max(0.0, (seconds + rebuilds + costs.python(1)) / plain - 1.0)
