@@ -70,6 +70,28 @@ def test_each_node_sees_its_own_path(contexts) -> None:
     assert not np.allclose(rows[2], rows[4], atol=1e-3)
 
 
+def test_what_a_tree_call_spends(target_model: Path) -> None:
+    """Context.spend counts the small calls with logits at every row (a verification's,
+    a draft step's: what -fa auto checks its choice against), and the deepest position
+    decoded: a tree's is its deepest node's, not its last row's."""
+    model = Model(target_model)
+    ctx = Context(model, ContextParams(256, 1, "off", n_seq_max=8))
+    try:
+        prompt = model.tokenize(PROMPT)
+        start = len(prompt) - 1
+        ctx.decode(prompt[:-1], 0)  # logits at its last row alone: not counted
+        assert ctx.spend()[:2] == (0, 0) and ctx.spend()[3] == start
+        tokens, parents = call_tree(prompt[-1])
+        ctx.decode(tokens, start, n_logits=len(tokens), parents=parents)
+        calls, n_tokens, seconds, deepest = ctx.spend()
+        assert (calls, n_tokens) == (1, len(tokens)) and seconds > 0
+        # The last prompt token at `start`, its children after it, two of theirs after them
+        assert deepest == start + 3
+    finally:
+        ctx.close()
+        model.close()
+
+
 @pytest.mark.parametrize("kept", range(len(TREE_TOKENS) + 1))
 def test_keep_branch_leaves_exactly_that_path(contexts, kept: int) -> None:
     """After keeping any node's path, the memory is that path alone: the next token's

@@ -281,13 +281,15 @@ class Context:
             b.n_seq_id[rows] = 1
             b.seq_id[rows, 0] = self.seq
             self.tokens.extend(tokens)
+            depth = n
         else:
             tree = self._stage_tree(tokens, parents, rows)
             np.add(tree.depths, pos - 1 - self._shift, out=b.pos[rows])
             self.tokens.extend(tree.path_tokens(tree.primary_leaf))
+            depth = tree.depth
         n_logits = min(n_logits, n)
         np.greater_equal(offsets[:n], n - n_logits, out=b.logits[rows])
-        self._staged(rows, n_logits, pos)
+        self._staged(rows, n_logits, pos, pos - self._shift + depth)
 
     def _rows(self, tokens: Sequence[int]) -> slice:
         """The next rows of the shared batch, given `tokens`."""
@@ -301,13 +303,13 @@ class Context:
         shared.batch.token[rows] = tokens
         return rows
 
-    def _staged(self, rows: slice, n_logits: int, pos: int) -> None:
-        """Rows filled from position `pos` on, the last `n_logits` with logits: they are
-        this context's part of the next flush."""
+    def _staged(self, rows: slice, n_logits: int, pos: int, end: int) -> None:
+        """Rows filled from position `pos` on, the last `n_logits` with logits, none at
+        a batch position from `end` on: they are this context's part of the next flush."""
         self._first_logit, self._last_row = rows.stop - n_logits, rows.stop - 1
         self._last_call_start = pos
         self._staged_rows = rows
-        self._shared.stage(self, rows.stop - rows.start)
+        self._shared.stage(self, rows.stop - rows.start, n_logits, end)
 
     @property
     def last_call_size(self) -> int:
@@ -378,7 +380,8 @@ class Context:
         b.n_seq_id[rows] = 1
         np.add(seqs, self.seq, out=b.seq_id[rows, 0])
         self.tokens.extend(t for t, s in zip(tokens, seqs, strict=True) if s == 0)
-        self._staged(rows, len(tokens), int(positions[0]))
+        end = max(positions) - self._shift + 1
+        self._staged(rows, len(tokens), int(positions[0]), end)
 
     def fork(self, source: int, seq: int, n_tokens: int) -> None:
         """Make branch `seq` hold the first n_tokens positions of sequence `source`
@@ -665,18 +668,28 @@ class _Shared:
         self.small_tokens = 0
         self.small_seconds = 0.0
         self.deepest = 0
+        # The rows with logits staged for the next call, and its deepest position + 1,
+        # counted as they are staged (numpy's reductions over the batch's rows cost tens
+        # of microseconds a call).
+        self._staged_logits = self._staged_end = 0
 
-    def stage(self, ctx: Context, n: int) -> None:
+    def stage(self, ctx: Context, n: int, n_logits: int, end: int) -> None:
+        """`ctx`'s n rows in the next call, `n_logits` of them with logits, none at a
+        position from `end` on."""
         if ctx in self.staged:
             raise RuntimeError(f"{ctx.model.path.name}: one stage per decode call and slot")
         self.staged.append(ctx)
         self.n_staged += n
+        self._staged_logits += n_logits
+        self._staged_end = max(self._staged_end, end)
 
     def flush(self, name: str) -> int:
         staged, n = self.staged, self.n_staged
         if not n:
             return 0
         self.staged, self.n_staged, self.last_size = [], 0, n
+        n_logits, end = self._staged_logits, self._staged_end
+        self._staged_logits = self._staged_end = 0
         self.batch.struct.n_tokens = n
         t0 = time.perf_counter()
         status = llama_cpp.llama_decode(self.ptr, self.batch.struct)
@@ -690,11 +703,11 @@ class _Shared:
             raise RuntimeError(f"{name}: llama_decode failed with status {status}")
         for ctx in staged:
             ctx._decoded(seconds, len(staged) > 1)
-        if n <= SMALL_CALL and self.batch.logits[:n].all():
+        if n <= SMALL_CALL and n_logits == n:
             self.small_calls += 1
             self.small_tokens += n
             self.small_seconds += seconds
-        self.deepest = max(self.deepest, int(self.batch.pos[:n].max()) + 1)
+        self.deepest = max(self.deepest, end)
         return n
 
     def close(self) -> None:
@@ -755,6 +768,7 @@ class _Tree:
             children[parent].append(i)
             depths[i] = 1 if parent < 0 else depths[parent] + 1
         self.depths = depths
+        self.depth = int(depths.max()) if n else 0  # the deepest token's
         # Leaves in depth-first order, first children first: the first is the primary.
         self.leaves: list[int] = []
         stack = children[-1][::-1]
