@@ -5,7 +5,8 @@ with another feed-forward width, depth, weight type or acceptance (eps). On each
 `vs_llama_cpp.py` runs specdec's defaults against specdec at each fixed draft length and
 against `llama-speculative-simple` at each draft length and `-fa`, alternated; this
 prints one row a pair: the defaults' speed, and their paired ratio to specdec's best
-fixed k and to llama.cpp's best setting.
+fixed k and to llama.cpp's best setting, also with each alternation's best chosen on the
+others (held out: see vs_llama_cpp.held_out_ratio).
 
     python benchmarks/pair_matrix.py STORIES --llama BIN [--pairs deep,wide] [--out DIR]
         [--prompts story,code,list] [--vs-flags "--k 2,3,4 --fa on,off --specdec-k 2,3"]
@@ -60,13 +61,15 @@ def measure(args: argparse.Namespace, name: str, target: Path) -> dict:
 
 
 def row(name: str, record: dict) -> str:
-    """A markdown row: the defaults, then each side's best and specdec's paired ratio
-    (a side not run, such as specdec's fixed k without --specdec-k: dashes)."""
+    """A markdown row: the defaults, then each side's best, specdec's paired ratio to it,
+    and held out (a side not run, such as specdec's fixed k without --specdec-k, or a
+    figure it had too few settings or alternations for: dashes)."""
     medians, paired = record["medians"], record["paired"]
     cells = [name, f"{medians['specdec']:.1f}"]
     for side in ("specdec -k", "llama"):
-        best = record["best"].get(side)
+        best, held = record["best"].get(side), record.get("held_out", {}).get(side)
         cells += [f"{best} ({medians[best]:.1f})", f"{paired[best]:.3f}x"] if best else ["-", "-"]
+        cells.append(f"{held:.3f}x" if held else "-")
     return "| " + " | ".join(cells) + " |"
 
 
@@ -90,9 +93,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     targets = {name: build(args.stories, name, args.out) for name in names}
     rows = [row(name, measure(args, name, target)) for name, target in targets.items()]
-    print("| pair | defaults tok/s | specdec's best fixed k | defaults / it | "
-          "llama.cpp's best | defaults / it |")  # fmt: skip
-    print("|---|---:|---|---:|---|---:|")
+    print("| pair | defaults tok/s | specdec's best fixed k | defaults / it | held out | "
+          "llama.cpp's best | defaults / it | held out |")  # fmt: skip
+    print("|---|---:|---|---:|---:|---|---:|---:|")
     print("\n".join(rows))
 
 
