@@ -91,13 +91,11 @@ class Decoder:
         self.label = label  # how the user named the draft length: "4", "auto"
         self.tree = tree  # None: chains
         self.tree_label = tree_label  # how the user named it: "off", "auto", "16"
-        # -k auto: every length policy may be shortened to fit a batch (see fit_to_batch)
         policies = (self.length, *self.lengths.values())
-        self.lengths_adapt = drafter is not None and all(
-            isinstance(p, AutoLength) for p in policies
-        )
         autos = [p for p in policies if isinstance(p, AutoLength)]
-        for policy in autos[1:]:
+        # -k auto: every length policy may be shortened to fit a batch (see fit_to_batch)
+        self.lengths_adapt = drafter is not None and len(autos) == len(policies)
+        for policy in autos[1:]:  # an undrafted round is priced alike, whoever had it
             policy.share_plain_rounds(autos[0])
         self.grammar: Grammar | None = None  # what generations follow unless they say
 
