@@ -13,9 +13,12 @@ from test_decode import PROMPT, generate, open_engine
 from specdec_cli.commands.bench import variants, widest_tree
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draft import Draft, TreeShape, propose
+from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.ngram import NgramDrafter
 from specdec_cli.decoding.sampling import GREEDY
-from specdec_cli.decoding.settings import parse_tree
+from specdec_cli.decoding.settings import DraftOptions, EngineOptions, parse_tree
+from specdec_cli.decoding.treegrowth import TreeGrowth
 from specdec_cli.decoding.treeshape import AutoTree, FixedTree, NodeOdds
 from specdec_cli.errors import UserError
 from specdec_cli.llamacpp.llama import Context, ContextParams
@@ -25,6 +28,7 @@ from specdec_cli.llamacpp.model import Model
 # first with two of its own, the third with one.
 TREE_TOKENS = [100, 200, 300, 101, 102, 301]
 TREE_PARENTS = [-1, -1, -1, 0, 0, 2]
+RNG = np.random.default_rng(0)
 
 
 def call_tree(last: int) -> tuple[list[int], list[int]]:
@@ -90,6 +94,46 @@ def test_what_a_tree_call_spends(target_model: Path) -> None:
     finally:
         ctx.close()
         model.close()
+
+
+def test_a_chain_is_grown_a_node_a_call_without_ranking(
+    target_model: Path, draft_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chain (one branch a node) is the one-wide tree's primary path, grown without
+    the tree's ranking and forking: the same tokens, each depth one token staged alone
+    in the slot's own sequence, its row read from the call before."""
+    options = EngineOptions(
+        target=target_model, draft=draft_model, ngram=False, n_ctx=256, threads=1,
+        sampling=GREEDY, drafting=DraftOptions(k="4", tree="off"),
+    )  # fmt: skip
+    staged: list[tuple[int, ...]] = []
+    stage_nodes = ModelDrafter.stage_nodes
+
+    def recorded(self: ModelDrafter, tokens, positions, seqs, parent_rows) -> None:
+        staged.append((len(tokens), *seqs, *parent_rows))
+        stage_nodes(self, tokens, positions, seqs, parent_rows)
+
+    def ranked(self: TreeGrowth, nodes: list[int], n: int) -> list[int]:
+        raise AssertionError("a chain's frontier was ranked")
+
+    monkeypatch.setattr(ModelDrafter, "stage_nodes", recorded)
+    with Engine(options) as engine:
+        assert engine.draft_ctx is not None
+        drafter = ModelDrafter(engine.draft_ctx, GREEDY, engine.model.n_vocab)
+        prompt = engine.tokenize(PROMPT)
+        # Side children below a score of 2 are never drafted: a one-wide tree's only
+        # nodes are its primary path, grown by the tree's code.
+        drafter.begin(prompt)
+        tree = propose(drafter, prompt, 4, RNG, shape=TreeShape(4, branch=2, min_score=2.0))
+        staged.clear()
+        monkeypatch.setattr(TreeGrowth, "_to_extend", ranked)  # a chain ranks nothing
+        drafter.begin(prompt)
+        chain = propose(drafter, prompt, 4, RNG, shape=TreeShape(4))
+    assert len(chain.tokens) == 4 and chain.tokens == tree.tokens
+    assert chain.parents is None and chain.calls == 4  # the prompt's last token, 3 nodes
+    # Nodes 0-2 staged alone in sequence 0, each beside its parent's row: the last of the
+    # call before the tree for node 0, then row 0 of each one-row call.
+    assert staged == [(1, 0, -1), (1, 0, 0), (1, 0, 0)]
 
 
 @pytest.mark.parametrize("kept", range(len(TREE_TOKENS) + 1))

@@ -230,7 +230,7 @@ class Decoder:
             return Dist.point(tokens[row]) if row < certain else distribution(logits(row), sampling)
 
         if sampling.greedy:
-            top = argmax or (lambda i: int(np.argmax(logits(i))))
+            top = argmax or (lambda i: int(logits(i).argmax()))
             return verify_tree_greedy(
                 tokens, parents, lambda i: tokens[i] if i < certain else top(i)
             )

@@ -210,7 +210,7 @@ class ModelDrafter:
         return self._sampled_children(logits, rng, n, need_confidence)
 
     def _greedy_children(self, logits: np.ndarray, n: int, need_confidence: bool) -> Children:
-        token = int(np.argmax(logits))
+        token = int(logits.argmax())
         if n == 1:
             confidence = self._top_probability(logits, token) if need_confidence else 1.0
             return [token], [confidence], [None]
@@ -255,7 +255,7 @@ class ModelDrafter:
             for _ in range(n - 1):
                 masked.append((ids[-1], float(logits[ids[-1]])))
                 logits[ids[-1]] = -np.inf
-                ids.append(int(np.argmax(logits)))
+                ids.append(int(logits.argmax()))
         finally:
             for token, value in masked:
                 logits[token] = value

@@ -54,6 +54,8 @@ class TreeGrowth:
         self.n_seqs = 1
 
     def grow(self, k: int) -> DraftSteps:
+        if self.shape.is_chain:
+            return (yield from self._grow_chain(k))
         frontier = [-1]
         for depth in range(k):
             if depth:
@@ -66,6 +68,23 @@ class TreeGrowth:
                 new += self._add_children(node, logits, depth)
             frontier = self._to_extend(new, self.shape.width)
             if not frontier:
+                break
+        return self._kept()
+
+    def _grow_chain(self, k: int) -> DraftSteps:
+        """A chain: the tree of one node a depth, grown without ranking a frontier. Node
+        d - 1 (the last) is staged alone in sequence 0, and its row gives node d (the
+        first depth's is the last row of the call before the tree)."""
+        draft, row = self.draft, -1
+        for depth in range(k):
+            if depth:
+                pos = self.start + depth - 1
+                self.drafter.stage_nodes([draft.tokens[-1]], [pos], [0], [row])
+                draft.calls += 1
+                row = 0
+                yield
+            logits = self.ctx.logits(row)[: self.drafter.n_vocab]
+            if not self._add_children(depth - 1, logits, depth):
                 break
         return self._kept()
 

@@ -24,7 +24,7 @@ import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 from llama_cpp import llama_cpp_ext
 
-from specdec_cli.llamacpp.hiddenstates import floats_at
+from specdec_cli.llamacpp.floatviews import FloatViews, address_of, nextn_states_at
 
 if TYPE_CHECKING:
     from specdec_cli.llamacpp.heads import HeadContext
@@ -39,8 +39,10 @@ class RowPointer:
         self.embd = llama_cpp.llama_embd(None, 1, width)
         self._data = ctypes.c_size_t.from_buffer(self.embd)  # the pointer, at offset 0
 
-    def at(self, rows: np.ndarray, i: int) -> llama_cpp.llama_embd:
-        self._data.value = rows.ctypes.data + i * rows.strides[0]
+    def at(self, address: int) -> llama_cpp.llama_embd:
+        """The row at `address` (an array's address, read once a batch: numpy's
+        `ctypes.data` makes an object each time, plus a stride a row)."""
+        self._data.value = address
         return self.embd
 
 
@@ -84,14 +86,14 @@ class HeadBatch:
         self.stand_in = stand_in
         self.batch = llama_cpp.llama_batch_ext_init(ptr)
         self.now_batch = llama_cpp.llama_batch_ext_init(ptr)  # calls made at once
-        self.encoded = ctypes.c_float * (n_ubatch * n_embd)
+        self.encoded = FloatViews((n_ubatch, n_embd))  # EAGLE-3's encoder's output
         self.staged: list[HeadContext] = []
         self.n_staged = 0
         self._pos = (ctypes.c_int32 * 4)()  # M-RoPE models read 4 (a token row: the first)
         # A feature row's: M-RoPE's three text positions, and 0 (as llama.cpp's driver).
         self._feature_pos = (ctypes.c_int32 * 4)()
-        self.logit_row = ctypes.c_float * n_vocab
-        self.state_row = ctypes.c_float * n_embd
+        self.logit_rows = FloatViews((n_vocab,))  # views of its outputs (floatviews.py)
+        self.state_rows = FloatViews((1, n_embd))
         self._state = RowPointer(n_embd)
         self._feature: RowPointer | None = None  # made at the first feature row (its width)
         # The MTP block the staged rows are for, and the one llama.cpp decodes with now.
@@ -116,6 +118,7 @@ class HeadBatch:
         """Add token rows to `batch`, those from `logits_from` on with logits (a
         placeholder's read `stand_in`); return the first one's batch place."""
         place, idx, hidden = self._pos, -1, rows.hidden
+        address, stride = (address_of(hidden), hidden.strides[0]) if hidden is not None else (0, 0)
         for i, token in enumerate(rows.tokens):
             seq = slot.seq if rows.seqs is None else slot.seq + rows.seqs[i]
             if token < 0:
@@ -126,7 +129,8 @@ class HeadBatch:
             place[0] = rows.positions[i]
             llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
             if hidden is not None:
-                llama_cpp.llama_batch_ext_set_embd_token(batch, idx, self._state.at(hidden, i))
+                state = self._state.at(address + i * stride)
+                llama_cpp.llama_batch_ext_set_embd_token(batch, idx, state)
             if i >= logits_from:
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, True)
         return idx - len(rows.tokens) + 1  # a batch numbers its rows in order
@@ -177,11 +181,13 @@ class HeadBatch:
         )
         if self._feature is None:
             self._feature = RowPointer(features.shape[1])
+        address, stride = address_of(features), features.strides[0]
         t0 = time.perf_counter()
         for start in range(0, len(features), self.n_ubatch):
             stop = min(start + self.n_ubatch, len(features))
             for i in range(start, stop):
-                idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, self._feature.at(features, i))
+                row = self._feature.at(address + i * stride)
+                idx = llama_cpp.llama_batch_ext_add_embd(batch, seq, row)
                 place[0] = place[1] = place[2] = positions[i]
                 llama_cpp.llama_batch_ext_set_pos(batch, idx, place)
                 llama_cpp.llama_batch_ext_set_output_logits(batch, idx, encode)
@@ -190,8 +196,7 @@ class HeadBatch:
             if status != 0:
                 raise RuntimeError(f"the drafting head's feature rows failed with status {status}")
             if encode:
-                rows = floats_at(self.encoded, llama_cpp_ext.llama_get_embeddings_nextn(self.ptr))
-                out[start:stop] = rows.reshape(-1, self.n_embd)[: stop - start]
+                out[start:stop] = self.encoded.at(nextn_states_at(self.ptr))[: stop - start]
         llama_cpp.llama_synchronize(self.ptr)
         return time.perf_counter() - t0
 

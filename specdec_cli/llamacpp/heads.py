@@ -52,8 +52,8 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.floatviews import logits_at, state_at
 from specdec_cli.llamacpp.headbatch import HeadBatch, Rows, rows_after
-from specdec_cli.llamacpp.hiddenstates import floats_at
 from specdec_cli.llamacpp.llama import FLASH_ATTN, LLAMA_MAX_SEQ, Context
 from specdec_cli.llamacpp.model import Model
 
@@ -227,7 +227,7 @@ class HeadContext:
 
     def flush(self) -> int:
         """Decode every slot's staged rows in one call: how many."""
-        return self._shared.flush(self.model.path.name)
+        return self._shared.flush(self.model.name)
 
     def fork(self, source: int, seq: int, n_tokens: int) -> None:
         """Make branch `seq` hold the first n_tokens positions of sequence `source`,
@@ -258,15 +258,13 @@ class HeadContext:
     def logits(self, row: int = -1) -> np.ndarray:
         """The last flush's logits at this slot's staged row `row` (-1: the last; a row
         that asked for them), a view."""
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, self._place(row))
-        return floats_at(self._shared.logit_row, ptr)
+        return self._shared.logit_rows.at(logits_at(self.ptr, self._place(row)))
 
     def hidden(self, row: int = -1) -> np.ndarray:
         """The head's own hidden state after the token at staged row `row` (-1: the
         last): what it reads beside the token after it (a view of llama.cpp's buffer,
         valid until the next decode: stage copies it first)."""
-        ptr = llama_cpp_ext.llama_get_embeddings_nextn_ith(self.ptr, self._place(row))
-        return floats_at(self._shared.state_row, ptr).reshape(1, -1)
+        return self._shared.state_rows.at(state_at(self.ptr, self._place(row)))
 
     def hidden_rows(self, rows: Sequence[int]) -> np.ndarray:
         """The hidden states at these staged rows of the last flush, a row each: for one

@@ -16,13 +16,8 @@ import numpy as np
 from llama_cpp import llama_cpp_ext
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.floatviews import FloatViews, nextn_states_at
 from specdec_cli.llamacpp.llama import Context
-
-
-def floats_at(row_type: type[ctypes.Array], ptr: ctypes._Pointer) -> np.ndarray:
-    """A numpy view of the floats at `ptr`, through a ctypes array type made once (making
-    one a call, as np.ctypeslib.as_array does, costs tens of microseconds)."""
-    return np.frombuffer(row_type.from_address(ctypes.addressof(ptr.contents)), np.float32)
 
 
 class HiddenStates:
@@ -93,7 +88,7 @@ _set_layer_input = _mangled(
 _get_layer_input = _mangled(
     "_Z30llama_get_embeddings_layer_inpP13llama_contextj",
     [ctypes.c_void_p, ctypes.c_uint32],
-    ctypes.POINTER(ctypes.c_float),
+    ctypes.c_void_p,  # an address (see floatviews.py)
 )
 
 
@@ -105,7 +100,7 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
     them then (enabled later, their values stay zero)."""
     ptr, n_embd = target.ptr, llama_cpp.llama_model_n_embd(target.model.ptr)
     n_layer = llama_cpp.llama_model_n_layer(target.model.ptr)
-    sources: list[Callable[[], ctypes._Pointer]] = []
+    sources: list[Callable[[], int | None]] = []
     for layer in layers or [n_layer]:
         if layer < n_layer:
             if _set_layer_input is None or _get_layer_input is None:
@@ -114,15 +109,13 @@ def record_hidden_states(target: Context, layers: Sequence[int] = ()) -> HiddenS
             sources.append(functools.partial(_get_layer_input, ptr, layer))
         else:
             llama_cpp_ext.llama_set_embeddings_nextn(ptr, True, False)
-            sources.append(functools.partial(llama_cpp_ext.llama_get_embeddings_nextn, ptr))
+            sources.append(functools.partial(nextn_states_at, ptr))
     states = HiddenStates(n_embd * len(sources))
     # Unmasked, llama.cpp keeps a row for every place of a batch.
-    whole_batch = ctypes.c_float * (llama_cpp.llama_n_batch(ptr) * n_embd)
+    whole_batch = FloatViews((llama_cpp.llama_n_batch(ptr), n_embd))
 
     def decoded(pos: int, rows: slice | list[int] | np.ndarray) -> None:
-        states.record(
-            pos, [floats_at(whole_batch, read()).reshape(-1, n_embd)[rows] for read in sources]
-        )
+        states.record(pos, [whole_batch.at(read())[rows] for read in sources])
 
     target.on_decoded = decoded
     return states

@@ -19,6 +19,7 @@ import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.floatviews import FloatViews, logits_at
 from specdec_cli.llamacpp.model import Model
 
 SMALL_CALL = 64  # tokens at most in a decode call that Context.spend counts
@@ -343,7 +344,7 @@ class Context:
 
     def flush(self) -> int:
         """llama_decode every token staged since the last flush, by any slot: how many."""
-        return self._shared.flush(self.model.path.name)
+        return self._shared.flush(self.model.name)
 
     def _decoded(self, seconds: float, shared: bool) -> None:
         """The flush that held this context's staged tokens is done (`shared`: with other
@@ -437,10 +438,7 @@ class Context:
         valid until the next decode."""
         # llama.cpp counts rows by their token's place in the batch.
         row = i + self._first_logit if i >= 0 else self._last_row + 1 + i
-        ptr = llama_cpp.llama_get_logits_ith(self.ptr, row)
-        return np.frombuffer(
-            self._shared.row_type.from_address(ctypes.addressof(ptr.contents)), np.float32
-        )
+        return self._shared.rows.at(logits_at(self.ptr, row))
 
     def checkpoint(self, n_ahead: int | None = None) -> None:
         """Make the current length a point `rewind` can come back to. `n_ahead`: the
@@ -656,7 +654,7 @@ class _Shared:
         self.memory = llama_cpp.llama_get_memory(ptr)
         self.batch = _Batch(n_batch, n_seq_max)
         self.offsets = np.arange(n_batch, dtype=np.int32)  # 0, 1, 2, ...
-        self.row_type = ctypes.c_float * n_vocab
+        self.rows = FloatViews((n_vocab,))  # views of its logits rows
         self.n_staged = 0
         self.staged: list[Context] = []
         self.last_size = 0  # tokens in the last decode call

@@ -102,6 +102,7 @@ class Model:
         llama_params, _devices = params.to_llama()  # _devices: alive during the load
         llama_params.vocab_only = vocab_only
         self.path = path
+        self.name = path.name  # its messages' (pathlib computes it at each read)
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), llama_params)
         if not self.ptr:
             raise UserError(
