@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from ggufgen import spm_vocab, write_eagle3_known_answer  # noqa: E402
 from replay_tree import MODEL_CURVES  # noqa: E402
 
-from specdec_cli.decoding import decode  # noqa: E402
+from specdec_cli.decoding import generation  # noqa: E402
 from specdec_cli.decoding.costmodel import Costs, verify_cost  # noqa: E402
+from specdec_cli.decoding.draft import Draft  # noqa: E402
 from specdec_cli.decoding.engine import Engine  # noqa: E402
 from specdec_cli.decoding.sampling import GREEDY  # noqa: E402
 from specdec_cli.decoding.settings import DraftOptions, EngineOptions  # noqa: E402
@@ -44,13 +45,13 @@ def rounds(target: Path, head: Path, tree: str, costs: Costs, n: int) -> list[tu
     """(head calls, verification batch) of each round of greedy generations of n tokens
     from each prompt, with -k auto and `tree`, priced with `costs`."""
     seen: list[tuple[int, int]] = []
-    stage_round = decode.Generation.stage_round
+    stage_round = generation.Generation.stage_round
 
-    def recorded(self: decode.Generation, plan: decode.Plan, draft: decode.Draft) -> None:
+    def recorded(self: generation.Generation, plan: generation.Plan, draft: Draft) -> None:
         stage_round(self, plan, draft)
         seen.append((draft.calls, len(plan.unseen) + len(draft.tokens)))
 
-    decode.Generation.stage_round = recorded  # type: ignore[method-assign]
+    generation.Generation.stage_round = recorded  # type: ignore[method-assign]
     Engine.costs = Engine.first_costs = lambda self: costs  # type: ignore[method-assign]
     options = EngineOptions(
         target=target,
@@ -69,7 +70,7 @@ def rounds(target: Path, head: Path, tree: str, costs: Costs, n: int) -> list[tu
                 for _ in engine.decoder.generate(tokens, n, np.random.default_rng(0), Stats()):
                     pass
     finally:
-        decode.Generation.stage_round = stage_round  # type: ignore[method-assign]
+        generation.Generation.stage_round = stage_round  # type: ignore[method-assign]
     return seen
 
 

@@ -19,7 +19,7 @@ from test_cli_run import assert_user_error, specdec
 from test_decode import PROMPT, REPEATING_PROMPT, contingency, open_engine
 from test_tools import tool_model  # noqa: F401 (a fixture)
 
-from specdec_cli.decoding import decode
+from specdec_cli.decoding import decode, generation
 from specdec_cli.decoding.decode import Decoder
 from specdec_cli.decoding.draft import Draft
 from specdec_cli.decoding.engine import Engine
@@ -112,13 +112,13 @@ def test_greedy_speculative_equals_constrained_target_only(
 def drafts_of(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, Draft]]:
     """Every draft verified from now on, with the length of the text it follows."""
     drafts: list[tuple[int, Draft]] = []
-    stage_round = decode.Generation.stage_round
+    stage_round = generation.Generation.stage_round
 
-    def recorded(self: decode.Generation, plan: decode.Plan, draft: Draft) -> None:
+    def recorded(self: generation.Generation, plan: generation.Plan, draft: Draft) -> None:
         drafts.append((len(self.tokens), draft))
         stage_round(self, plan, draft)
 
-    monkeypatch.setattr(decode.Generation, "stage_round", recorded)
+    monkeypatch.setattr(generation.Generation, "stage_round", recorded)
     return drafts
 
 
@@ -186,14 +186,14 @@ def logit_rows_of(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Each target verification from now on: its draft's rows (the tokens and one), and
     how many of them the batch gave logits."""
     calls: list[tuple[int, int]] = []
-    stage_round = decode.Generation.stage_round
+    stage_round = generation.Generation.stage_round
 
-    def counted(self: decode.Generation, plan: decode.Plan, draft: Draft) -> None:
+    def counted(self: generation.Generation, plan: generation.Plan, draft: Draft) -> None:
         stage_round(self, plan, draft)
         rows = len(self.draft.tokens) + 1
         calls.append((rows, rows - self._certain))
 
-    monkeypatch.setattr(decode.Generation, "stage_round", counted)
+    monkeypatch.setattr(generation.Generation, "stage_round", counted)
     return calls
 
 
@@ -360,8 +360,8 @@ def test_cutting_sampled_drafts_at_a_forbidden_token_is_told_apart(
 ) -> None:
     """The other negative control: a draft model that draws without the mask, its drafts
     cut at the first forbidden token (as a lookup's are), biases the text."""
-    monkeypatch.setattr(decode, "_grammar_drafter", lambda drafter: None)
-    monkeypatch.setattr(decode, "LOOKUPS", (*decode.LOOKUPS, "model"))
+    monkeypatch.setattr(generation, "_grammar_drafter", lambda drafter: None)
+    monkeypatch.setattr(generation, "LOOKUPS", (*generation.LOOKUPS, "model"))
     with open_engine(target_model, draft_model, 3, SAMPLING, tree="off") as engine:
         decoder = engine.make_decoder("model", "3")
         cut = first_tokens(engine, decoder, Grammar.gbnf(NO_R), range(N_RUNS, 2 * N_RUNS))

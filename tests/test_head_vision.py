@@ -21,8 +21,8 @@ from test_cli_run import GREEDY as CLI_GREEDY
 from test_cli_run import specdec
 from test_vision import assert_same_distribution, in_slots
 
-from specdec_cli.decoding.decode import Round
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.generation import Round
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.multimodal import MediaPrompt
 from specdec_cli.decoding.sampling import GREEDY, SamplingParams

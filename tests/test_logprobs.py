@@ -21,8 +21,9 @@ from test_decode import open_engine as open_any_engine
 from test_server import ServerProcess, start
 from test_translate import shuffled  # noqa: F401  (a fixture: stories260K, ids shuffled)
 
-from specdec_cli.decoding.decode import Decoder, Generation, step
+from specdec_cli.decoding.decode import Decoder, step
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.generation import Generation
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import MAX_TOP, LogprobOptions, TokenLogprob, token_logprob
 from specdec_cli.decoding.pieces import PieceStream, Round
@@ -556,12 +557,12 @@ def test_run_refuses_more_logprobs_than_the_api(target_model: Path) -> None:
 
 def test_nothing_is_computed_when_nobody_asks(engine: Engine, monkeypatch) -> None:
     """The default path does no work per token for them (the gate is one check)."""
-    import specdec_cli.decoding.decode as decode
+    import specdec_cli.decoding.generation as generation
 
     def forbidden(*args, **kwargs):
         raise AssertionError("computed without being asked")
 
-    monkeypatch.setattr(decode, "token_logprob", forbidden)
+    monkeypatch.setattr(generation, "token_logprob", forbidden)
     stats, rounds = Stats(), []
     prompt = engine.tokenize(PROMPT)
     for new in engine.decoder.generate(prompt, 8, np.random.default_rng(0), stats):

@@ -18,10 +18,11 @@ from test_decode import COUPLED, PROMPT, SAMPLING, open_engine
 
 from specdec_cli.decoding import scheduler as scheduler_module
 from specdec_cli.decoding.costmodel import Costs
-from specdec_cli.decoding.decode import Decoder, Generation, Plan, fit_to_batch, step
+from specdec_cli.decoding.decode import Decoder, fit_to_batch, step
 from specdec_cli.decoding.draft import TreeShape, propose
 from specdec_cli.decoding.draftlength import AutoLength, FixedLength
 from specdec_cli.decoding.engine import Engine
+from specdec_cli.decoding.generation import Generation, Plan
 from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.pieces import PieceStream
 from specdec_cli.decoding.promptcache import PromptCache

@@ -27,8 +27,9 @@ from scipy.stats import chi2_contingency
 from test_decode import contingency
 
 from specdec_cli.decoding import loading
-from specdec_cli.decoding.decode import Round, step
+from specdec_cli.decoding.decode import step
 from specdec_cli.decoding.engine import NO_PROJECTOR, Engine
+from specdec_cli.decoding.generation import Round
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.logprobs import LogprobOptions
 from specdec_cli.decoding.multimodal import Encodings, MediaPrompt

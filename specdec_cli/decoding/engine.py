@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from specdec_cli.decoding.decode import Decoder, check_prompt
+from specdec_cli.decoding.decode import Decoder
+from specdec_cli.decoding.generation import check_prompt
 from specdec_cli.decoding.grammar import Grammar
 from specdec_cli.decoding.loading import LoadedModels
 from specdec_cli.decoding.logprobs import LogprobOptions
@@ -104,7 +105,7 @@ class Engine(LoadedModels):
         return self.media_prompt(with_markers(text, len(media), MARKER), media)
 
     def check_prompt(self, prompt: list[int]) -> None:
-        """Raise UserError for a prompt no slot can generate from (see decode.check_prompt)."""
+        """Raise UserError for a prompt no slot can generate from (see generation.check_prompt)."""
         check_prompt(prompt, self.slots[0].n_ctx)
 
     def tokenize_messages(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from specdec_cli.decoding.decode import Round
+from specdec_cli.decoding.generation import Round
 from specdec_cli.decoding.logprobs import TokenLogprob
 from specdec_cli.decoding.textstream import TextStream
 from specdec_cli.llamacpp.model import Model

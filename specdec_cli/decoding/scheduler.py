@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdec_cli.decoding.decode import Generation, step
+from specdec_cli.decoding.decode import step
+from specdec_cli.decoding.generation import Generation
 from specdec_cli.decoding.pieces import Piece, PieceStream
 from specdec_cli.decoding.promptcache import PromptCache
 from specdec_cli.decoding.stats import Stats
