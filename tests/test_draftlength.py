@@ -5,10 +5,11 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from specdec_cli.decoding.costmodel import Costs
 from specdec_cli.decoding.draft import Draft
-from specdec_cli.decoding.draftlength import AutoLength, Calibration, FixedLength
+from specdec_cli.decoding.draftlength import AutoLength, Calibration, FixedLength, RoundCosts
 
 # A target pass over n tokens costs 1 + 0.1 (n - 1) of one token (memory-bound), a draft
 # call 0.05: long drafts are cheap, so acceptance alone decides.
@@ -140,6 +141,32 @@ def test_drafting_rounds_pay_their_own_python_time() -> None:
     assert late_drafting_share((0.004, 0.02), **steep) < 0.2  # probes only
     # A policy that never went without a draft has only its drafting rounds to go by.
     assert late_drafting_share((0.004, 0.02), slope=0.45) == 1.0
+
+
+def test_a_rounds_choice_prices_only_the_lengths_it_may_take(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each round, -k auto prices the lengths it may step to (the useful ones) and its
+    own, not every length up to k_max: on a steep curve few lengths are ever the best,
+    and pricing all 17 was most of its time a round."""
+    steep = {1: 1.0, 2: 1.81, 3: 2.13, 4: 2.31, 5: 3.46}
+    costs = Costs(0.01, 0.0, {n: steep.get(n, 3.5 + 0.3 * (n - 5)) for n in range(1, 18)})
+    policy = AutoLength(costs, 0, 16, uses_confidence=False)
+    policy.begin(invariant=True)
+    priced: list[int] = []
+    of = RoundCosts.of
+
+    def counted(self: RoundCosts, k: int, survive: float = 0.0) -> float:
+        priced.append(k)
+        return of(self, k, survive)
+
+    monkeypatch.setattr(RoundCosts, "of", counted)
+    for _ in range(3):
+        priced.clear()
+        k = policy.choose(100)
+        policy.observe(draft_of(k), k, 0.0, costs.verify[k + 1] * 0.01)
+        assert set(priced) <= {*policy.ladder, k}
+        assert len(priced) <= len(policy.ladder) + 2  # (and the gain of a step)
 
 
 def test_a_decoders_policies_price_rounds_without_a_draft_alike() -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -498,8 +498,19 @@ class AutoLength:
 
     def expected_rates(self, estimates: list[float], top: int) -> list[float]:
         """Expected tokens per second of k-token drafts, for every k from 0 to `top`."""
-        rounds = expected_rounds(estimates[:top])
-        return [expected / self.costs.of(k, survive) for k, (expected, survive) in rounds]
+        rates = self.rates_at(estimates, range(top + 1))
+        return [rates[k] for k in range(top + 1)]
+
+    def rates_at(self, estimates: list[float], lengths: Collection[int]) -> dict[int, float]:
+        """Expected tokens per second of k-token drafts, for each k of `lengths` (each at
+        most len(estimates)): a round's choice prices its few candidates, not every
+        length up to k_max (17 pricings a round were most of -k auto's time)."""
+        rounds = expected_rounds(estimates[: max(lengths)])
+        return {
+            k: expected / self.costs.of(k, survive)
+            for k, (expected, survive) in rounds
+            if k in lengths
+        }
 
     def expected_tokens(self, top: int) -> list[float]:
         """Expected tokens of a round drafting k tokens, for every k from 0 to `top`, on
@@ -542,7 +553,7 @@ class AutoLength:
         rungs = [n for n in self.ladder if floor <= n <= top]
         if not rungs:
             return k
-        rates = self.expected_rates(estimates, top)
+        rates = self.rates_at(estimates, {k, *rungs})
         now = rates[k]
         rate, best = max((rates[n], n) for n in rungs)
         if k and rungs[0] == 0 and rate < rates[0] * (1.0 + self.margin):
