@@ -498,13 +498,12 @@ class AutoLength:
 
     def expected_rates(self, estimates: list[float], top: int) -> list[float]:
         """Expected tokens per second of k-token drafts, for every k from 0 to `top`."""
-        rates = self.rates_at(estimates, range(top + 1))
-        return [rates[k] for k in range(top + 1)]
+        return list(self.rates_at(estimates, range(top + 1)).values())  # in k's order
 
     def rates_at(self, estimates: list[float], lengths: Collection[int]) -> dict[int, float]:
         """Expected tokens per second of k-token drafts, for each k of `lengths` (each at
         most len(estimates)): a round's choice prices its few candidates, not every
-        length up to k_max (17 pricings a round were most of -k auto's time)."""
+        length up to k_max (pricing them all was most of -k auto's Python a round)."""
         rounds = expected_rounds(estimates[: max(lengths)])
         return {
             k: expected / self.costs.of(k, survive)
