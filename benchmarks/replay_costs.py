@@ -36,21 +36,21 @@ from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import Stats
-from specdec_cli.llamacpp import llama
+from specdec_cli.llamacpp.decodecall import SharedCall
 
 Call = tuple[str, int]  # a decode call: the context's model file name, its tokens
 
 
 def record_calls(log: list[Call]) -> None:
     """Every decode call of every context, appended to `log`."""
-    flush = llama._Shared.flush
+    flush = SharedCall.flush
 
-    def logged(self: llama._Shared, name: str) -> int:
+    def logged(self: SharedCall, name: str) -> int:
         if self.n_staged:
             log.append((name, self.n_staged))
         return flush(self, name)
 
-    llama._Shared.flush = logged  # type: ignore[method-assign]
+    SharedCall.flush = logged  # type: ignore[method-assign]
 
 
 def record_choices(chosen: list[int]) -> None:

@@ -17,7 +17,7 @@ from specdec_cli.decoding.flashattn import FIRST_DEPTH, FlashAttnRecord, Timings
 from specdec_cli.decoding.sampling import GREEDY
 from specdec_cli.decoding.settings import EngineOptions
 from specdec_cli.decoding.stats import FlashAttnChoice, Stats
-from specdec_cli.llamacpp import llama
+from specdec_cli.llamacpp.decodecall import SharedCall
 from specdec_cli.llamacpp.llama import ContextParams
 
 
@@ -379,16 +379,16 @@ def test_auto_measures_in_the_servers_slots(
     deep as the runs go (at most half its share of the context), every slot's batch in
     one decode call."""
     calls: list[int] = []  # tokens in each decode call while flash attention is timed
-    shared_flush = llama._Shared.flush
+    shared_flush = SharedCall.flush
 
-    def counted(self: llama._Shared, name: str) -> int:
+    def counted(self: SharedCall, name: str) -> int:
         n = shared_flush(self, name)
         calls.append(n)
         return n
 
     def timed(self: Engine, model: loading.Model, n_ctx: int, threads: int, depth: int) -> dict:
         with monkeypatch.context() as patch:
-            patch.setattr(llama._Shared, "flush", counted)
+            patch.setattr(SharedCall, "flush", counted)
             return time_flash_attn(self, model, n_ctx, threads, depth)
 
     time_flash_attn = Engine.time_flash_attn

@@ -8,7 +8,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from specdec_cli.llamacpp.llama import Context, SavedState, common_prefix
+from specdec_cli.llamacpp.llama import Context, common_prefix
+from specdec_cli.llamacpp.sequencestate import SavedState
 
 
 class PromptCache:

@@ -19,10 +19,11 @@ import llama_cpp.llama_cpp as llama_cpp
 import numpy as np
 
 from specdec_cli.errors import UserError
-from specdec_cli.llamacpp.floatviews import FloatViews, logits_at
+from specdec_cli.llamacpp.decodecall import SharedCall, Tree
+from specdec_cli.llamacpp.floatviews import logits_at
 from specdec_cli.llamacpp.model import Model
+from specdec_cli.llamacpp.sequencestate import Checkpoint, MediaRun, SavedState
 
-SMALL_CALL = 64  # tokens at most in a decode call that Context.spend counts
 FLASH_ATTN = {
     "auto": llama_cpp.LLAMA_FLASH_ATTN_TYPE_AUTO,
     "on": llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED,
@@ -84,16 +85,6 @@ def cells_by_position(n_tokens: int, n_pos: int) -> np.ndarray:
     return -(-(np.arange(1, n_pos + 1) * n_tokens) // n_pos) - 1
 
 
-@dataclass(frozen=True)
-class MediaRun:
-    """Media a sequence holds: its cells' places in Context.tokens, start to end, and
-    the positions it saves, n_tokens - n_pos (the text after it sits that much lower)."""
-
-    start: int
-    end: int
-    saved: int
-
-
 class Context:
     """One model's inference state for one sequence: the memory holds the accepted token
     sequence, and for one round at a time the branches of a draft tree.
@@ -149,7 +140,7 @@ class Context:
                 f"llama.cpp could not create a context of {params.n_ctx} tokens for "
                 f"{model.path.name}; try a smaller -c"
             )
-        self._shared = _Shared(ptr, cparams.n_batch, cparams.n_seq_max, model.n_vocab)
+        self._shared = SharedCall(ptr, cparams.n_batch, cparams.n_seq_max, model.n_vocab)
         self._owner = True
         # llama.cpp may round the context up (to a multiple of 256); honour what was asked.
         self.n_ctx: int = min(params.n_ctx, llama_cpp.llama_n_ctx(ptr))
@@ -179,9 +170,9 @@ class Context:
         self._last_call_start = 0  # position of the first token of the last decode call
         self._first_logit = 0  # place in that call's batch of the first row with logits
         self._last_row = 0  # place in that call's batch of its last row with logits
-        self._checkpoint = _Checkpoint()
-        self._tree: _Tree | None = None  # the last decode's tree, until keep_branch
-        self._staged_tree: _Tree | None = None
+        self._checkpoint = Checkpoint()
+        self._tree: Tree | None = None  # the last decode's tree, until keep_branch
+        self._staged_tree: Tree | None = None
         self._branches = 0  # sequences after `seq` that may hold cells
         # Runs of adjacent cells the sequence holds, as far as this side can tell: a decode
         # call shared with other slots puts each slot's tokens after the last's, so each
@@ -216,7 +207,7 @@ class Context:
         return self._shared.ptr
 
     def spend(self) -> tuple[int, int, float, int]:
-        """The llama.cpp context's decode calls of at most SMALL_CALL tokens, each with
+        """The llama.cpp context's decode calls of at most decodecall.SMALL_CALL tokens, each with
         logits for every row, with every slot's (how many, their tokens and their
         seconds), and the deepest position it decoded."""
         shared = self._shared
@@ -323,13 +314,13 @@ class Context:
         """Tokens the next decode call can still take, from any slot."""
         return len(self._shared.offsets) - self._shared.n_staged
 
-    def _stage_tree(self, tokens: Sequence[int], parents: Sequence[int], rows: slice) -> _Tree:
+    def _stage_tree(self, tokens: Sequence[int], parents: Sequence[int], rows: slice) -> Tree:
         """A tree's sequences in the batch: sequence `seq` goes down the first child of
         every token (the path a chain would have taken); each other leaf's branch is a
         sequence of its own, given the cells of the accepted tokens first."""
         if self.recurrent:
             raise RuntimeError(f"{self.model.path.name} is recurrent: it cannot verify a tree")
-        tree = _Tree(tokens, parents)
+        tree = Tree(tokens, parents)
         if tree.n_branches > self.n_seq_max:
             raise RuntimeError(
                 f"a tree of {tree.n_branches} branches does not fit one decode call of "
@@ -346,7 +337,7 @@ class Context:
         """llama_decode every token staged since the last flush, by any slot: how many."""
         return self._shared.flush(self.model.name)
 
-    def _decoded(self, seconds: float, shared: bool) -> None:
+    def call_done(self, seconds: float, shared: bool) -> None:
         """The flush that held this context's staged tokens is done (`shared`: with other
         contexts' tokens)."""
         self.decode_seconds += seconds
@@ -359,7 +350,7 @@ class Context:
         if self.on_decoded is not None and self._tree is None:
             self.on_decoded(self._last_call_start - self._shift, self._staged_rows)
 
-    def _failed(self) -> None:
+    def call_failed(self) -> None:
         """The flush that held this context's staged tokens failed: forget them."""
         self._staged_tree = None
         self.drop_branches()
@@ -416,7 +407,7 @@ class Context:
             return
         branch = tree.sequences[index][0]  # a branch through `index`
         n_keep = self._last_call_start + int(tree.depths[index])
-        if self.on_decoded is not None:  # the kept path's rows, by position (see _decoded)
+        if self.on_decoded is not None:  # the kept path's rows, by position (see call_done)
             first = self._staged_rows.start
             path = [first + i for i in tree.path(index)]
             self.on_decoded(self._last_call_start - self._shift, path)
@@ -521,7 +512,7 @@ class Context:
         self._shift = sum(run.saved for run in self._media)
         self.runs, self._run_open = saved.runs, False  # as scattered as the copy, at a guess
         self._last_call_start = len(self.tokens)  # no snapshots of a call to go back into
-        self._checkpoint = _Checkpoint()
+        self._checkpoint = Checkpoint()
 
     def _can_rewind_to(self, n_keep: int) -> bool:
         if not self.recurrent or n_keep == 0 or self._within_snapshots(n_keep):
@@ -609,20 +600,6 @@ class Context:
         return (data.t_eval_ms + data.t_p_eval_ms) / 1e3
 
 
-@dataclass(frozen=True)
-class SavedState:
-    """A sequence's state in host memory (see Context.save_state)."""
-
-    tokens: tuple[int, ...]
-    data: ctypes.Array
-    runs: int  # of cells it was copied from (see Context.runs)
-    media: tuple[MediaRun, ...]  # the media among its tokens
-
-    @property
-    def nbytes(self) -> int:
-        return len(self.data)
-
-
 PREFIX_CHUNK = 256  # tokens compared a slice at a time (in C), before one at a time
 
 
@@ -641,199 +618,3 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-class _Shared:
-    """What the slots of one llama.cpp context share: the context, its memory, one
-    batch, and the decode call being put together in it."""
-
-    def __init__(
-        self, ptr: llama_cpp.llama_context_p, n_batch: int, n_seq_max: int, n_vocab: int
-    ) -> None:
-        self.ptr: llama_cpp.llama_context_p | None = ptr
-        self.memory = llama_cpp.llama_get_memory(ptr)
-        self.batch = _Batch(n_batch, n_seq_max)
-        self.offsets = np.arange(n_batch, dtype=np.int32)  # 0, 1, 2, ...
-        self.rows = FloatViews((n_vocab,))  # views of its logits rows
-        self.n_staged = 0
-        self.staged: list[Context] = []
-        self.last_size = 0  # tokens in the last decode call
-        # What the decode calls of a verification's or a draft step's size spent (not a
-        # prompt's, nor any call with rows that gave no logits, which skip the output
-        # layer: the measurements' calls have none), and the deepest position decoded:
-        # what -fa auto checks its choice against (decoding/flashattn.py).
-        self.small_calls = 0
-        self.small_tokens = 0
-        self.small_seconds = 0.0
-        self.deepest = 0
-        # The rows with logits staged for the next call, and its deepest position + 1,
-        # counted as they are staged (numpy's reductions over the batch's rows cost tens
-        # of microseconds a call).
-        self._staged_logits = self._staged_end = 0
-
-    def stage(self, ctx: Context, n: int, n_logits: int, end: int) -> None:
-        """`ctx`'s n rows in the next call, `n_logits` of them with logits, none at a
-        position from `end` on."""
-        if ctx in self.staged:
-            raise RuntimeError(f"{ctx.model.path.name}: one stage per decode call and slot")
-        self.staged.append(ctx)
-        self.n_staged += n
-        self._staged_logits += n_logits
-        self._staged_end = max(self._staged_end, end)
-
-    def flush(self, name: str) -> int:
-        staged, n = self.staged, self.n_staged
-        if not n:
-            return 0
-        self.staged, self.n_staged, self.last_size = [], 0, n
-        n_logits, end = self._staged_logits, self._staged_end
-        self._staged_logits = self._staged_end = 0
-        self.batch.struct.n_tokens = n
-        t0 = time.perf_counter()
-        status = llama_cpp.llama_decode(self.ptr, self.batch.struct)
-        # Wait for the results here, so that decode_seconds (and llama.cpp's own
-        # clock, which stops at a synchronize) covers this call and nothing else.
-        llama_cpp.llama_synchronize(self.ptr)
-        seconds = time.perf_counter() - t0
-        if status != 0:
-            for ctx in staged:
-                ctx._failed()
-            raise RuntimeError(f"{name}: llama_decode failed with status {status}")
-        for ctx in staged:
-            ctx._decoded(seconds, len(staged) > 1)
-        if n <= SMALL_CALL and n_logits == n:
-            self.small_calls += 1
-            self.small_tokens += n
-            self.small_seconds += seconds
-        self.deepest = max(self.deepest, end)
-        return n
-
-    def close(self) -> None:
-        if self.ptr:
-            llama_cpp.llama_free(self.ptr)
-            self.ptr = None
-
-
-class _Batch:
-    """A llama_batch over numpy arrays allocated once: filled by vectorised writes, not
-    element by element through ctypes. Row i of `seq_id` holds token i's sequence ids
-    (`n_seq_id[i]` of them)."""
-
-    def __init__(self, n_tokens: int, n_seq_max: int) -> None:
-        self.token = np.zeros(n_tokens, np.int32)
-        self.pos = np.zeros(n_tokens, np.int32)
-        self.n_seq_id = np.ones(n_tokens, np.int32)
-        self.seq_id = np.zeros((n_tokens, n_seq_max), np.int32)
-        self.logits = np.zeros(n_tokens, np.int8)
-        int_p = ctypes.POINTER(ctypes.c_int32)
-        # The address of each row of seq_id, worked out at once: a ctypes pointer per row
-        # is thousands of objects made at every context's creation.
-        rows = np.arange(n_tokens, dtype=np.uintp) * self.seq_id.strides[0]
-        self._rows = rows + np.uintp(self.seq_id.ctypes.data)
-        self.struct = llama_cpp.llama_batch(
-            n_tokens=0,
-            token=self.token.ctypes.data_as(int_p),
-            embd=None,
-            pos=self.pos.ctypes.data_as(int_p),
-            n_seq_id=self.n_seq_id.ctypes.data_as(int_p),
-            seq_id=ctypes.cast(self._rows.ctypes.data, ctypes.POINTER(int_p)),
-            logits=self.logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
-        )
-
-    def set_sequences(self, first: int, sequences: Sequence[Sequence[int]], base: int) -> None:
-        """Rows from `first` on: each token's sequence ids, counted from `base`."""
-        for i, seqs in enumerate(sequences, start=first):
-            self.n_seq_id[i] = len(seqs)
-            self.seq_id[i, : len(seqs)] = seqs
-            self.seq_id[i, : len(seqs)] += base
-
-
-class _Tree:
-    """A tree of tokens in one decode call, laid out for llama.cpp: each token's depth
-    (1: a child of the token before the call) and the sequences through it, one per
-    leaf. The first leaf met going down first children is sequence 0, so a chain is
-    sequence 0 alone. A token's first sequence id is one of its own branch: llama.cpp
-    masks attention by that one."""
-
-    def __init__(self, tokens: Sequence[int], parents: Sequence[int]) -> None:
-        n = len(tokens)
-        self.tokens, self.parents = list(tokens), list(parents)
-        children: list[list[int]] = [[] for _ in range(n + 1)]  # [n]: the root's
-        depths = np.zeros(n, np.int32)
-        for i, parent in enumerate(parents):
-            if not -1 <= parent < i:
-                raise ValueError(f"tree token {i} has parent {parent}: parents come first")
-            children[parent].append(i)
-            depths[i] = 1 if parent < 0 else depths[parent] + 1
-        self.depths = depths
-        self.depth = int(depths.max()) if n else 0  # the deepest token's
-        # Leaves in depth-first order, first children first: the first is the primary.
-        self.leaves: list[int] = []
-        stack = children[-1][::-1]
-        while stack:
-            i = stack.pop()
-            if children[i]:
-                stack.extend(children[i][::-1])
-            else:
-                self.leaves.append(i)
-        self.primary_leaf = self.leaves[0] if self.leaves else -1
-        self.n_branches = len(self.leaves)
-        self.sequences: list[list[int]] = [[] for _ in range(n)]
-        for seq, leaf in enumerate(self.leaves):
-            for i in self.path(leaf):
-                self.sequences[i].append(seq)
-
-    def path(self, i: int) -> list[int]:
-        """The tokens from the first depth down to token i (indices)."""
-        path = []
-        while i >= 0:
-            path.append(i)
-            i = self.parents[i]
-        return path[::-1]
-
-    def path_tokens(self, i: int) -> list[int]:
-        return [self.tokens[j] for j in self.path(i)]
-
-
-class _Checkpoint:
-    """A copy of a sequence's recurrent state, in a buffer reused from call to call.
-
-    PARTIAL_ONLY saves only what cannot be cut back (the recurrent state, not a
-    hybrid's attention cache), which keeps the copy small.
-    """
-
-    FLAGS = llama_cpp.LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
-
-    def __init__(self) -> None:
-        self.n_tokens: int | None = None  # the sequence length it was taken at
-        self._buffer = (ctypes.c_uint8 * 0)()
-        self._size = 0
-
-    def save(self, ctx: llama_cpp.llama_context_p, seq: int, n_tokens: int) -> None:
-        size = llama_cpp.llama_state_seq_get_size_ext(ctx, seq, self.FLAGS)
-        if size > len(self._buffer):
-            self._buffer = (ctypes.c_uint8 * size)()
-        self._size = llama_cpp.llama_state_seq_get_data_ext(
-            ctx, self._buffer, size, seq, self.FLAGS
-        )
-        if self._size == 0:
-            raise RuntimeError("llama.cpp could not save the recurrent state")
-        self.n_tokens = n_tokens
-
-    def restore(self, ctx: llama_cpp.llama_context_p, seq: int, n_keep: int, name: str) -> int:
-        """Put the saved state back, if it was taken at or before n_keep; its length."""
-        if self.n_tokens is None or self.n_tokens > n_keep:
-            raise RuntimeError(
-                f"{name} is recurrent and has no checkpoint at or before position {n_keep} "
-                "to return to"
-            )
-        if not llama_cpp.llama_state_seq_set_data_ext(
-            ctx, self._buffer, self._size, seq, self.FLAGS
-        ):
-            raise RuntimeError(f"llama.cpp could not restore the recurrent state of {name}")
-        return self.n_tokens
-
-    def forget_after(self, n_tokens: int) -> None:
-        """The sequence was cut before this copy was taken: it no longer applies."""
-        if self.n_tokens is not None and self.n_tokens > n_tokens:
-            self.n_tokens = None
