@@ -8,7 +8,7 @@ import pytest
 import typer.main
 
 from specdec_cli.commands.cli import app, main
-from specdec_cli.commands.options import ENGINE_FLAGS
+from specdec_cli.commands.flags import ENGINE_FLAGS
 
 MODEL_COMMANDS = ["run", "bench", "serve"]
 
