@@ -92,6 +92,23 @@ def test_speedup_is_a_ratio_of_medians_over_repeats() -> None:
     assert r.speed_by_prompt(base) == pytest.approx({"p0": 120, "p1": 80})
 
 
+def test_paired_speedups_set_each_repeat_against_the_target_alone_in_it() -> None:
+    """The target alone hit a slow moment in the third repeat: the ratio of medians
+    credits the variant with it (95 over 90 tok/s), each repeat's own ratio does not."""
+    base = VariantResult(TARGET_ONLY, [stats(100, 1.0), stats(90, 1.0), stats(60, 1.0)])
+    spec = VariantResult(MODEL_K4, [stats(95, 1.0), stats(85, 1.0), stats(99, 1.0)])
+    r = report(base, spec)
+    assert r.speedup(spec) == pytest.approx(95 / 90)
+    assert r.paired_speedups(spec) == pytest.approx([0.95, 85 / 90, 99 / 60])
+    assert r.paired_figures(spec) == {
+        "paired_speedup": 0.95,
+        "paired_speedup_min": round(85 / 90, 4),
+        "paired_speedup_max": round(99 / 60, 4),
+    }
+    assert r.paired_figures(base)["paired_speedup"] == 1.0
+    assert r.variant_dict(spec)["paired_speedup"] == 0.95
+
+
 def test_total_adds_the_runs_up() -> None:
     result = VariantResult(
         MODEL_K4,

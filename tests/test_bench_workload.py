@@ -355,6 +355,9 @@ def test_bench_questions_by_category(target_model: Path, tmp_path: Path) -> None
         for figures in categories.values():
             assert set(figures) == {
                 "speedup",
+                "paired_speedup",
+                "paired_speedup_min",
+                "paired_speedup_max",
                 "tokens_per_second",
                 "tokens_per_pass",
                 "acceptance_rate",
@@ -368,6 +371,8 @@ def test_bench_questions_by_category(target_model: Path, tmp_path: Path) -> None
             mine = run["categories"][name]
             ratio = mine["tokens_per_second"] / base["tokens_per_second"]
             assert mine["speedup"] == pytest.approx(ratio, rel=1e-3)
+            low, high = mine["paired_speedup_min"], mine["paired_speedup_max"]
+            assert low <= mine["paired_speedup"] <= high
             assert 1.0 <= mine["tokens_per_pass"] <= int(run["k"]) + 1
     # The piped table: the variants, a blank line, then a row per category and variant.
     blocks = stdout.split("\n\n")
@@ -375,7 +380,8 @@ def test_bench_questions_by_category(target_model: Path, tmp_path: Path) -> None
     assert tuple(rows[0]) == CATEGORY_COLUMNS
     names = [entry["name"] for entry in entries]
     assert [row[:2] for row in rows[1:]] == [[c, n] for c in ("writing", "coding") for n in names]
-    assert rows[1][5] == "-" and rows[2][5].endswith("%")  # acceptance: speculative rows only
+    assert rows[1][6] == "-" and rows[2][6].endswith("%")  # acceptance: speculative rows only
+    assert rows[1][4] == "-" and re.fullmatch(r"\d+\.\d\dx \(\d+\.\d\d-\d+\.\d\d\)", rows[2][4])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -145,6 +145,29 @@ class BenchReport:
         base = self.median_speed(self.baseline, among)
         return self.median_speed(result, among) / base if base else 0.0
 
+    def paired_speedups(
+        self, result: VariantResult, among: Sequence[int] | None = None
+    ) -> list[float]:
+        """Each repeat's speed over the target alone's in the same repeat (over the prompts
+        `among`): the variants ran each turn back to back, so what the machine's speed
+        does from repeat to repeat cancels out of each ratio, where a ratio of medians
+        keeps it."""
+        base = self.baseline.repeat_speeds(self.n_prompts, among)
+        mine = result.repeat_speeds(self.n_prompts, among)
+        return [m / b for m, b in zip(mine, base, strict=True) if b > 0] or [0.0]
+
+    def paired_figures(
+        self, result: VariantResult, among: Sequence[int] | None = None
+    ) -> dict[str, float]:
+        """The paired speedups' median, and their lowest and highest: how far apart the
+        repeats put the variant (see paired_speedups)."""
+        ratios = self.paired_speedups(result, among)
+        return {
+            "paired_speedup": round(statistics.median(ratios), 4),
+            "paired_speedup_min": round(min(ratios), 4),
+            "paired_speedup_max": round(max(ratios), 4),
+        }
+
     def draft_cost(self, variant: Variant) -> float:
         """c for the cost model: a lookup costs next to nothing."""
         return self.costs.draft_over_target if variant.uses_model else 0.0
@@ -168,12 +191,14 @@ class BenchReport:
     def by_category(self, result: VariantResult) -> dict[str, dict[str, float]]:
         """Each category's figures, as the whole run's: tokens over seconds summed over the
         category's questions in each repeat, the median over repeats, its ratio to the
-        target alone's; acceptance, tokens a pass and mean k over all its runs."""
+        target alone's, and the paired ratios (see paired_figures); acceptance, tokens a
+        pass and mean k over all its runs."""
         figures = {}
         for category, among in self.workload.categories.items():
             t = result.total(s for runs in result.by_repeat(self.n_prompts, among) for s in runs)
             figures[category] = {
                 "speedup": round(self.speedup(result, among), 4),
+                **self.paired_figures(result, among),
                 "tokens_per_second": round(self.median_speed(result, among), 2),
                 "tokens_per_pass": round(t.tokens_per_pass, 4),
                 "acceptance_rate": round(t.acceptance_rate, 4),
@@ -268,6 +293,7 @@ class BenchReport:
                 name: round(v, 2) for name, v in self.speed_by_prompt(result).items()
             },
             "speedup": round(self.speedup(result), 4),
+            **self.paired_figures(result),
             "acceptance_rate": round(t.acceptance_rate, 4),
             "tokens_per_pass": round(t.tokens_per_pass, 4),
             "k_mean": round(t.mean_k, 3),

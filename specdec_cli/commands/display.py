@@ -228,7 +228,16 @@ def bench_rows(figures: dict) -> list[list[str]]:
     return rows
 
 
-CATEGORY_COLUMNS = ("category", "variant", "tok/s", "speedup", "tok/pass", "accept", "k mean")
+CATEGORY_COLUMNS = (
+    "category",
+    "variant",
+    "tok/s",
+    "speedup",
+    "paired (range)",
+    "tok/pass",
+    "accept",
+    "k mean",
+)
 
 
 def category_rows(figures: dict) -> list[list[str]]:
@@ -246,12 +255,21 @@ def category_rows(figures: dict) -> list[list[str]]:
                     d["name"],
                     f"{c['tokens_per_second']:.1f}",
                     f"{c['speedup']:.2f}x",
+                    paired_text(c) if speculative else "-",
                     f"{c['tokens_per_pass']:.2f}",
                     f"{c['acceptance_rate']:.1%}" if speculative else "-",
                     f"{c['k_mean']:.2f}" if speculative else "-",
                 ]
             )
     return rows
+
+
+def paired_text(figures: dict) -> str:
+    """The median of the repeats' paired speedups, and their range (see
+    BenchReport.paired_figures): whether a category's gain or loss is more than the
+    repeats' spread."""
+    low, high = figures["paired_speedup_min"], figures["paired_speedup_max"]
+    return f"{figures['paired_speedup']:.2f}x ({low:.2f}-{high:.2f})"
 
 
 FILTERS = ("top_k", "top_p", "min_p")  # SamplingParams' filters, by their flags' order
