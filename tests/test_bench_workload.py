@@ -421,10 +421,10 @@ def test_the_terminal_shows_the_table_by_category(
     lines = out[out.index("by category") :].splitlines()
     rows = [line.replace("│", " ").split() for line in lines if line.startswith("│")]
     assert rows == [  # the category's name on its first row only
-        ["writing", "target", "only", "100.0", "1.00x", "1.00", "-", "-"],
-        ["model", "k=4", "150.0", "1.50x", "1.00", "50.0%", "0.00"],
-        ["coding", "target", "only", "100.0", "1.00x", "1.00", "-", "-"],
-        ["model", "k=4", "200.0", "2.00x", "1.00", "75.0%", "0.00"],
+        ["writing", "target", "only", "100.0", "1.00x", "-", "1.00", "-", "-"],
+        ["model", "k=4", "150.0", "1.50x", "1.50x", "(1.50-1.50)", "1.00", "50.0%", "0.00"],
+        ["coding", "target", "only", "100.0", "1.00x", "-", "1.00", "-", "-"],
+        ["model", "k=4", "200.0", "2.00x", "2.00x", "(2.00-2.00)", "1.00", "75.0%", "0.00"],
     ]
 
 
