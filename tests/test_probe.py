@@ -42,10 +42,11 @@ def test_the_probe_model_is_a_small_q8_0_llama(tmp_path: Path) -> None:
 def test_the_probe_runs_here() -> None:
     """The real child process: it loads the probe model with extra buffer types and
     decodes a batch. Without AMX it survives; with AMX, the crash it guards against is
-    the one other outcome."""
+    the one other outcome: SIGILL on some CPUs, SIGSEGV on others (an Intel Xeon with
+    AVX-512 and AMX, 2026-12-05)."""
     verdict = run_probe()
     if machine.advertises_amx(machine.cpu_flags(), backend.system_info()):
-        assert verdict in (Verdict(True, "passed"), DIED)
+        assert verdict in (Verdict(True, "passed"), DIED, Verdict(False, "died with SIGSEGV"))
     else:
         assert verdict == Verdict(True, "passed")
 
@@ -84,6 +85,16 @@ def test_amx_that_crashes_turns_repacking_off_and_says_so(
     assert message is not None and "\n" not in message
     assert "--no-repack" in message and "died with SIGILL" in message
     assert choose_repack(None) == (False, None)  # said once: from the cache, quietly
+
+
+@pytest.mark.parametrize(("verdict", "flags"), [(DIED, ["--no-repack"]), (Verdict(True, ""), [])])
+def test_llama_cpps_tools_get_the_repacking_specdec_chose(
+    cache: Path, probes: list[Verdict], verdict: Verdict, flags: list[str]
+) -> None:
+    """The benchmarks run llama.cpp's own tools beside specdec: where the repacked
+    kernels crash, those would die at their first batch without --no-repack."""
+    probes.append(verdict)
+    assert probe.llama_cpp_flags() == flags
 
 
 def test_the_verdict_is_cached_per_cpu_and_build(
