@@ -367,7 +367,9 @@ class Generation:
         if self.constraint is not None:
             self.constraint.advance(new)
         n_batch = len(plan.unseen) - plan.prompt + len(draft.tokens)
-        stats.record_round(draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside)
+        stats.record_round(
+            draft.source, len(draft.tokens), n_batch, n_accepted, len(new), beside, eog is not None
+        )
         self.tokens += new
         if self.text is not self.tokens:
             self.text += new

@@ -46,6 +46,9 @@ class Stats:
     accepted: int = 0
     accepted_beside: int = 0  # of them, on a tree's branches (a chain would have missed)
     target_passes: int = 0
+    # End-of-generation tokens the passes chose: not output, but a pass's token all the same
+    # (without them the target alone would make fewer than one token a pass).
+    stop_tokens: int = 0
     draft_lengths: Counter[int] = field(default_factory=Counter)
     batch_sizes: Counter[int] = field(default_factory=Counter)
     proposed_by: Counter[str] = field(default_factory=Counter)
@@ -73,12 +76,15 @@ class Stats:
         n_accepted: int,
         n_new: int,
         n_beside: int = 0,
+        stopped: bool = False,
     ) -> None:
         """`n_batch`: the tokens the target verified, n_drafted + 1, or a few more when a
         recurrent model's rewind left accepted tokens to evaluate again. `n_beside`: the
-        accepted tokens off a tree's primary path."""
+        accepted tokens off a tree's primary path. `stopped`: the round's tokens ended
+        with an end-of-generation token (not among the n_new)."""
         self.target_passes += 1
         self.tokens += n_new
+        self.stop_tokens += stopped
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.accepted_beside += n_beside
@@ -112,7 +118,9 @@ class Stats:
 
     @property
     def tokens_per_pass(self) -> float:
-        return self.tokens / self.target_passes if self.target_passes else 0.0
+        """Tokens each target pass chose, an end-of-generation one included."""
+        chosen = self.tokens + self.stop_tokens
+        return chosen / self.target_passes if self.target_passes else 0.0
 
     @property
     def timed_tokens(self) -> int:
