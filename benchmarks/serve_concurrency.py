@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS as BENCH_PROMPTS
+from specdec_cli.llamacpp import probe
 
 # Short prompts of different kinds: drafting pays differently on stories, code and lists.
 # specdec bench's story, code, list and factual prompts, and four more.
@@ -414,7 +415,7 @@ def llama_server_setup(args: argparse.Namespace) -> Setup | None:
         argv += threads_flags(args, "-td")
     else:
         print("note: no draft given, llama-server runs the target alone")
-    argv += shlex.split(args.llama_flags)
+    argv += [*probe.llama_cpp_flags(), *shlex.split(args.llama_flags)]
     return Setup(f"llama-np{args.parallel}", shlex.join(argv) + " --port {port}")
 
 

@@ -42,6 +42,7 @@ from functools import partial
 from pathlib import Path
 
 from specdec_cli.commands.bench import BUILTIN_PROMPTS
+from specdec_cli.llamacpp import probe
 
 LLAMA_SPEED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
 # llama-completion's decode line (its prompt's is "prompt eval time")
@@ -140,7 +141,9 @@ def main() -> None:
     )
     parser.add_argument("--json", type=Path, help="write every timing here")
     args = parser.parse_args()
-    args.specdec_flags, args.llama_flags = args.specdec_flags.split(), args.llama_flags.split()
+    args.specdec_flags = args.specdec_flags.split()
+    # llama.cpp's repacking as specdec chose it here (where it crashes, both run without)
+    args.llama_flags = [*probe.llama_cpp_flags(), *args.llama_flags.split()]
     args.prompts = args.prompts or list(BUILTIN_PROMPTS.values())
 
     llama_variants = [

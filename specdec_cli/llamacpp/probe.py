@@ -176,5 +176,13 @@ def choose_repack(asked: bool | None) -> tuple[bool, str | None]:
     )
 
 
+def llama_cpp_flags() -> list[str]:
+    """The flag that gives llama.cpp's own tools (llama-server, llama-speculative-simple)
+    the repacking specdec chose here: `--no-repack` where the probe found the repacked
+    kernels crash, which would kill a tool at its first batch; none elsewhere."""
+    repack, _ = choose_repack(None)
+    return [] if repack else ["--no-repack"]
+
+
 if __name__ == "__main__":
     run_probe_model()
