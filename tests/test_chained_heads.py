@@ -133,7 +133,7 @@ def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
     """While in it, every draft step of a ChainedHeadDrafter records the round's text,
     the drafts before the step, and the step's logits."""
     seen: list[tuple[list[int], list[int], np.ndarray]] = []
-    original_take, original_drafting = ChainedHeadDrafter._take, ChainedHeadDrafter.drafting
+    original_take, original_drafting = ChainedHeadDrafter.take_next, ChainedHeadDrafter.drafting
 
     def take(self, draft, logits, *rest):
         seen.append((self._text, list(draft.tokens), logits.copy()))
@@ -144,7 +144,7 @@ def block_logits() -> Iterator[list[tuple[list[int], list[int], np.ndarray]]]:
         return original_drafting(self, request)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(ChainedHeadDrafter, "_take", take)
+        mp.setattr(ChainedHeadDrafter, "take_next", take)
         mp.setattr(ChainedHeadDrafter, "drafting", drafting)
         yield seen
 

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps, KeepDrafting
+from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps
 from specdec_cli.decoding.modeldrafter import ModelDrafter
 from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Noise, SamplingParams
@@ -120,27 +120,6 @@ class HeadDrafter(ModelDrafter):
         """Each node beside the head's own state at the row its logits came from."""
         self.head.stage_branches(tokens, positions, seqs, self.head.hidden_rows(parent_rows))
 
-    def _take(
-        self,
-        draft: Draft,
-        logits: np.ndarray,
-        rng: np.random.Generator,
-        position: int,
-        keep_drafting: KeepDrafting | None,
-    ) -> bool:
-        """Choose the token at `position` from the head's logits for it and add it to the
-        draft, unless the length policy stops here (False)."""
-        need_confidence = keep_drafting is not None
-        ids, probs, dists = self.children(logits, rng, 1, need_confidence, position, draft.tokens)
-        if keep_drafting and not keep_drafting(len(draft.tokens), probs[0]):
-            return False
-        draft.tokens.append(ids[0])
-        if dists[0] is not None:
-            draft.dists.append(dists[0])
-        if need_confidence:
-            draft.confidences.append(probs[0])
-        return True
-
 
 class Eagle3Drafter(HeadDrafter):
     """An EAGLE-3 file drafting, chains or trees, as the target's MTP block does (its
@@ -181,7 +160,7 @@ class BlockDrafter(HeadDrafter):
         draft = Draft(source=self.name, calls=1)
         place = self._cells(request.tokens) - 1  # the last token's, in what the target holds
         for row in range(1, k + 1):  # the row at position decoded + row
-            if not self._take(draft, head.logits(row), rng, place + row, keep_drafting):
+            if not self.take_next(draft, head.logits(row), rng, place + row, keep_drafting):
                 break
         head.drop_block()
         return draft
@@ -270,7 +249,7 @@ class ChainedHeadDrafter(HeadDrafter):
             yield
             draft.calls += 1
             position = self._cells(request.tokens) + block
-            taken = drafting and self._take(
+            taken = drafting and self.take_next(
                 draft, head.logits(), rng, position, request.keep_drafting
             )
             if taken:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from specdec_cli.decoding.draft import DraftRequest, DraftSteps, KeepDrafting, TreeShape
+from specdec_cli.decoding.draft import Draft, DraftRequest, DraftSteps, KeepDrafting, TreeShape
 from specdec_cli.decoding.multimodal import PromptMedia
 from specdec_cli.decoding.sampling import Dist, Noise, SamplingParams, distribution
 from specdec_cli.decoding.treegrowth import TreeGrowth
@@ -173,6 +173,27 @@ class ModelDrafter:
             self.ctx.stage(pending[start : start + n_batch], int(start + n_batch >= len(pending)))
             yield
         return -(-len(pending) // n_batch)
+
+    def take_next(
+        self,
+        draft: Draft,
+        logits: np.ndarray,
+        rng: np.random.Generator,
+        position: int,
+        keep_drafting: KeepDrafting | None,
+    ) -> bool:
+        """Choose a chain's next token, at `position`, from the logits after the draft so
+        far and add it to the draft, unless the length policy stops here (False)."""
+        need_confidence = keep_drafting is not None
+        ids, probs, dists = self.children(logits, rng, 1, need_confidence, position, draft.tokens)
+        if keep_drafting and not keep_drafting(len(draft.tokens), probs[0]):
+            return False
+        draft.tokens.append(ids[0])
+        if dists[0] is not None:
+            draft.dists.append(dists[0])
+        if need_confidence:
+            draft.confidences.append(probs[0])
+        return True
 
     def children(
         self,

@@ -75,16 +75,17 @@ class TreeGrowth:
         """A chain: the tree of one node a depth, grown without ranking a frontier. Node
         d - 1 (the last) is staged alone in sequence 0, and its row gives node d (the
         first depth's is the last row of the call before the tree)."""
-        draft, row = self.draft, -1
+        drafter, draft, row = self.drafter, self.draft, -1
         for depth in range(k):
             if depth:
                 pos = self.start + depth - 1
-                self.drafter.stage_nodes([draft.tokens[-1]], [pos], [0], [row])
+                drafter.stage_nodes([draft.tokens[-1]], [pos], [0], [row])
                 draft.calls += 1
                 row = 0
                 yield
-            logits = self.ctx.logits(row)[: self.drafter.n_vocab]
-            if not self._add_children(depth - 1, logits, depth):
+            logits = self.ctx.logits(row)[: drafter.n_vocab]
+            position = self.base + depth
+            if not drafter.take_next(draft, logits, self.rng, position, self.keep_drafting):
                 break
         return self._kept()
 
@@ -92,12 +93,11 @@ class TreeGrowth:
         shape, draft = self.shape, self.draft
         on_primary = node < 0 or self.primary[node]
         parent_score = self.scores[node] if node >= 0 else 1.0
-        # A tree's ranks need every node's probability.
-        need_confidence = self.keep_drafting is not None or not shape.is_chain
         # Under a grammar, the children's mask is the one after the node's path.
         path = self.draft.path(node) if self.drafter.constraint else ()
+        # A tree's ranks need every node's probability.
         ids, probs, dists = self.drafter.children(
-            logits, self.rng, shape.branch, need_confidence, self.base + depth, path
+            logits, self.rng, shape.branch, True, self.base + depth, path
         )
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
             return []
@@ -113,8 +113,7 @@ class TreeGrowth:
             draft.parents.append(node)  # type: ignore[union-attr]
             if dist is not None:
                 draft.dists.append(dist)
-            if need_confidence:
-                draft.confidences.append(prob)
+            draft.confidences.append(prob)
             self.scores.append(score)
             self.primary.append(primary)
         return added
