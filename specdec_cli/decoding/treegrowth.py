@@ -95,9 +95,9 @@ class TreeGrowth:
         parent_score = self.scores[node] if node >= 0 else 1.0
         # Under a grammar, the children's mask is the one after the node's path.
         path = self.draft.path(node) if self.drafter.constraint else ()
-        # A tree's ranks need every node's probability.
+        need_confidence = True  # a tree's ranks need every node's probability
         ids, probs, dists = self.drafter.children(
-            logits, self.rng, shape.branch, True, self.base + depth, path
+            logits, self.rng, shape.branch, need_confidence, self.base + depth, path
         )
         if on_primary and self.keep_drafting and not self.keep_drafting(depth, probs[0]):
             return []
