@@ -199,6 +199,54 @@ def test_measure_costs_of_one_token_only(contexts: tuple[Context, Context]) -> N
     assert costs.verify == {1: 1.0} and costs.target_seconds > 0
 
 
+class LingeringContext:
+    """A fake target whose n-token pass costs 1 + (n - 1) / 2 units once steady, and
+    whose passes after a bigger batch run slow: LINGER times the bigger size's excess
+    tokens, fading by FADE a pass (as the wide pair's do on a CPU, over tens of
+    passes). measure_costs reads only its clock."""
+
+    UNIT, LINGER, FADE = 1e-3, 0.05, 0.85
+
+    def __init__(self) -> None:
+        self.model = type("FakeModel", (), {"bos": 1})()
+        self.recurrent = False
+        self.decode_seconds = 0.0
+        self.staged = 0
+        self.slow, self.slow_after = 0.0, 1  # the fading excess, and the size that left it
+
+    def steady(self, n: int) -> float:
+        return self.UNIT * (1 + (n - 1) / 2)
+
+    def rewind(self, position: int) -> None:
+        pass
+
+    def decode(self, tokens: list[int], position: int) -> None:
+        pass
+
+    def stage(self, tokens: list[int], n_logits: int) -> None:
+        self.staged += len(tokens)
+
+    def flush(self) -> None:
+        n, self.staged = self.staged, 0
+        lingering = self.slow if n < self.slow_after else 0.0
+        self.decode_seconds += self.steady(n) * (1 + lingering)
+        if n >= self.slow_after:
+            self.slow, self.slow_after = self.LINGER * (n - 1), n
+        else:
+            self.slow *= self.FADE
+
+
+def test_measure_costs_waits_out_a_bigger_batch_s_slowdown() -> None:
+    """One-token passes are timed once steady, not in the slowdown a bigger batch leaves:
+    there they looked dear, and 2 tokens cheaper than 1 (-k auto then drafted one token
+    where three paid)."""
+    target = LingeringContext()
+    costs = measure_costs(target, None, [2, 3, 5, 17], reps=3)  # type: ignore[arg-type]
+    assert costs.target_seconds == pytest.approx(target.steady(1), rel=0.02)
+    for n in (2, 3, 5, 17):
+        assert costs.verify[n] == pytest.approx(target.steady(n) / target.steady(1), rel=0.02)
+
+
 def test_costs_read_back_as_bench_writes_them() -> None:
     """A bench's --json "cost" is Costs.to_dict: from_dict reads it back (replay_costs.py
     plans with another machine's costs so)."""

@@ -112,6 +112,11 @@ class Costs:
 
 
 SETTLE = 3  # passes of one batch shape, the last timed as its steady cost
+# One-token passes are decoded until they stop getting faster, in windows of
+# SETTLE_WINDOW passes, at most MAX_SETTLE of them (see _steady_one_token).
+SETTLE_WINDOW = 4
+MAX_SETTLE = 32
+STILL_FALLING = 0.99  # a window this much faster than the one before: not settled yet
 
 
 def measure_costs(
@@ -125,18 +130,22 @@ def measure_costs(
     sizes in between are interpolated linearly.
 
     Batches are evaluated after `position` context tokens and cut away again, so the
-    caches are left empty. Each measurement is paired with a one-token target pass
-    just before it and taken as a ratio to it: the machine's speed drifts by tens of
-    percent within seconds, and a ratio of two neighbouring timings cancels most of
-    that. Each batch is decoded SETTLE times in a row: the first pass pays for the
-    change of batch shape, the last is the steady cost (on a GPU the second is slow
-    too: llama.cpp's CUDA backend captures a graph there; timed second, every batch
-    looked nearly free: benchmarks/README.md, "On a GPU"). The order rotates between
-    repetitions; medians, after one untimed round.
+    caches are left empty. Each repetition starts with one-token target passes, decoded
+    until they stop getting faster, and times the draft and then each size, smallest
+    first, as a ratio to them: the machine's speed drifts by tens of percent within
+    seconds, and a ratio of timings a fraction of a second apart cancels most of that.
+    The order matters: a pass after a bigger batch is slow, and on a model whose
+    weights nearly fit the CPU's caches it stays slow for tens of passes (the wide pair:
+    benchmarks/README.md, "Draft length"); timed there, one token looked dear and every
+    batch cheap, and -k auto drafted one token where three paid. A pass after a smaller
+    one is at its steady cost at once.
+    Each batch is decoded SETTLE times in a row: the first pass pays for the change of
+    batch shape, the last is the steady cost (on a GPU the second is slow too:
+    llama.cpp's CUDA backend captures a graph there; timed second, every batch looked
+    nearly free: benchmarks/README.md, "On a GPU"). Medians, after one untimed round.
     """
     sizes = sorted({1, *sizes})
-    probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
-    probes = probes or [(target, 1)]  # one-token passes alone: a ratio of 1
+    probes = ([(draft, 1)] if draft is not None else []) + [(target, n) for n in sizes[1:]]
     for ctx, _ in [(target, 1), *probes]:
         _fill([ctx], position)
 
@@ -144,20 +153,20 @@ def measure_costs(
     ratio: dict[int, list[float]] = {i: [] for i in range(len(probes))}
     rebuild: list[float] = []  # the extra cost of a first pass, in one-token passes
     for rep in range(reps + 1):
-        for i in np.roll(np.arange(len(probes)), rep):
-            ctx, n = probes[i]
-            _, base = _settled([target], 1, position)
+        base = _steady_one_token(target, position)
+        for i, (ctx, n) in enumerate(probes):
             first, steady = _settled([ctx], n, position)
             if rep:
-                one.append(base)
                 ratio[i].append(steady / base)
                 if ctx is target:
                     rebuild.append((first - steady) / base)
+        if rep:
+            one.append(base)
     for ctx, _ in [(target, 1), *probes]:
         ctx.rewind(0)
     medians = [statistics.median(ratio[i]) for i in range(len(probes))]
-    ratios = [1.0, *medians[: len(sizes) - 1]]
-    c = medians[-1] if draft is not None else 0.0
+    c = medians.pop(0) if draft is not None else 0.0
+    ratios = [1.0, *medians]
     verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
     switch = max(0.0, statistics.median(rebuild)) if rebuild else 0.0
     return Costs(statistics.median(one), c, verify, switch)
@@ -209,13 +218,31 @@ def _fill(slots: Sequence[Context], position: int) -> None:
 def _settled(slots: Sequence[Context], n: int, position: int) -> tuple[float, float]:
     """Seconds of the first pass of a batch of n tokens a slot (the shape changed) and
     of the last of SETTLE passes (the steady cost)."""
-    clock = slots[0]  # every slot's clock counts the one call they share
-    times = []
-    for _ in range(SETTLE):
-        before = clock.decode_seconds
-        _decode_and_drop(slots, n, position)
-        times.append(clock.decode_seconds - before)
+    times = [_timed_pass(slots, n, position) for _ in range(SETTLE)]
     return times[0], times[-1]
+
+
+def _steady_one_token(target: Context, position: int) -> float:
+    """Seconds of a one-token target pass once they stop getting faster: decoded in
+    windows of SETTLE_WINDOW until a window's median is no longer STILL_FALLING below
+    the one before (at most MAX_SETTLE passes); the last window's median."""
+    times: list[float] = []
+    while len(times) < MAX_SETTLE:
+        times += [_timed_pass([target], 1, position) for _ in range(SETTLE_WINDOW)]
+        if len(times) >= 2 * SETTLE_WINDOW:
+            window = statistics.median(times[-SETTLE_WINDOW:])
+            before = statistics.median(times[-2 * SETTLE_WINDOW : -SETTLE_WINDOW])
+            if window >= STILL_FALLING * before:
+                break
+    return statistics.median(times[-SETTLE_WINDOW:])
+
+
+def _timed_pass(slots: Sequence[Context], n: int, position: int) -> float:
+    """Seconds of one _decode_and_drop (every slot's clock counts the call they share)."""
+    clock = slots[0]
+    before = clock.decode_seconds
+    _decode_and_drop(slots, n, position)
+    return clock.decode_seconds - before
 
 
 def _decode_and_drop(slots: Sequence[Context], n: int, position: int) -> None:

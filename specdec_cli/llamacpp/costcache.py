@@ -38,7 +38,7 @@ from llama_cpp import __version__ as LLAMA_CPP_PYTHON
 
 from specdec_cli.llamacpp import backend, machine
 
-FORMAT = 3  # bump when the meaning of a measurement changes
+FORMAT = 4  # bump when the meaning of a measurement changes (4: one-token passes timed steady)
 # Measurements kept per key, each taken by another run (another process, another moment
 # of the machine): their median outvotes one that is off.
 MEASUREMENTS = 3
