@@ -238,8 +238,7 @@ class LingeringContext:
 
 def test_measure_costs_waits_out_a_bigger_batch_s_slowdown() -> None:
     """One-token passes are timed once steady, not in the slowdown a bigger batch leaves:
-    there they looked dear, and 2 tokens cheaper than 1 (-k auto then drafted one token
-    where three paid)."""
+    there they looked dear, and 2 tokens cheaper than 1."""
     target = LingeringContext()
     costs = measure_costs(target, None, [2, 3, 5, 17], reps=3)  # type: ignore[arg-type]
     assert costs.target_seconds == pytest.approx(target.steady(1), rel=0.02)

@@ -137,8 +137,9 @@ def measure_costs(
     The order matters: a pass after a bigger batch is slow, and on a model whose
     weights nearly fit the CPU's caches it stays slow for tens of passes (the wide pair:
     benchmarks/README.md, "Draft length"); timed there, one token looked dear and every
-    batch cheap, and -k auto drafted one token where three paid. A pass after a smaller
-    one is at its steady cost at once.
+    batch cheap (two tokens cheaper than one). A pass after a smaller one is at its
+    steady cost at once.
+
     Each batch is decoded SETTLE times in a row: the first pass pays for the change of
     batch shape, the last is the steady cost (on a GPU the second is slow too:
     llama.cpp's CUDA backend captures a graph there; timed second, every batch looked
