@@ -131,15 +131,14 @@ def measure_costs(
 
     Batches are evaluated after `position` context tokens and cut away again, so the
     caches are left empty. Each repetition starts with one-token target passes, decoded
-    until they stop getting faster, and times each size, smallest first, and then the
-    draft, as a ratio to them: the machine's speed drifts by tens of percent within
+    until they stop getting faster, and times the draft and then each size, smallest
+    first, as a ratio to them: the machine's speed drifts by tens of percent within
     seconds, and a ratio of timings a fraction of a second apart cancels most of that.
     The order matters: a pass after a bigger batch is slow, and on a model whose
     weights nearly fit the CPU's caches it stays slow for tens of passes (the wide pair:
     benchmarks/README.md, "Draft length"); timed there, one token looked dear and every
     batch cheap (two tokens cheaper than one). A pass after a smaller one is at its
-    steady cost at once. The draft goes last: its calls slow the target's next passes
-    too (a DFlash head's, timed before the target's 2 tokens, priced them above 3).
+    steady cost at once.
 
     Each batch is decoded SETTLE times in a row: the first pass pays for the change of
     batch shape, the last is the steady cost (on a GPU the second is slow too:
@@ -147,7 +146,7 @@ def measure_costs(
     nearly free: benchmarks/README.md, "On a GPU"). Medians, after one untimed round.
     """
     sizes = sorted({1, *sizes})
-    probes = [(target, n) for n in sizes[1:]] + ([(draft, 1)] if draft is not None else [])
+    probes = ([(draft, 1)] if draft is not None else []) + [(target, n) for n in sizes[1:]]
     for ctx, _ in [(target, 1), *probes]:
         _fill([ctx], position)
 
@@ -167,7 +166,7 @@ def measure_costs(
     for ctx, _ in [(target, 1), *probes]:
         ctx.rewind(0)
     medians = [statistics.median(ratio[i]) for i in range(len(probes))]
-    c = medians.pop() if draft is not None else 0.0
+    c = medians.pop(0) if draft is not None else 0.0
     ratios = [1.0, *medians]
     verify = {n: float(np.interp(n, sizes, ratios)) for n in range(1, sizes[-1] + 1)}
     switch = max(0.0, statistics.median(rebuild)) if rebuild else 0.0
