@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import MODERATE_COSTS, TARGET_HPARAMS, pin_costs
+from conftest import TARGET_HPARAMS
 from ggufgen import (
     Eagle3KnownAnswer,
     spm_vocab,
@@ -72,14 +72,10 @@ def the_cycle(ka: Eagle3KnownAnswer, prompt: list[int], out: list[int]) -> bool:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
-def test_dflash_drafts_what_its_tables_say(known, k, monkeypatch) -> None:
+def test_dflash_drafts_what_its_tables_say(known, k) -> None:
     """The output is the target's cycle; at a fixed k the drafts are accepted exactly as
-    the tables say: the right layer inputs reach the right positions of its cache. -k
-    auto prices with pinned costs: on this tiny target a head call costs more than a
-    target token, and whether drafting pays at all turned on the measurement's noise."""
+    the tables say: the right layer inputs reach the right positions of its cache."""
     target, head, ka = known
-    if k == "auto":
-        pin_costs(monkeypatch, MODERATE_COSTS)
     with open_with_head_file(target, head, k) as engine:
         assert isinstance(engine.decoder.drafter, BlockDrafter)
         prompt = engine.tokenize(PROMPT)
