@@ -81,8 +81,11 @@ def test_dflash_drafts_what_its_tables_say(known, k) -> None:
         prompt = engine.tokenize(PROMPT)
         out, stats = generate(engine, n=N_PREDICT)
     assert the_cycle(ka, prompt, out)
-    assert 0 < stats.accepted < stats.drafted
+    # -k auto drafts (it probes at least), but whether its few rounds are accepted turns
+    # on the measured costs: on this tiny target a head call costs more than a token.
+    assert stats.accepted < stats.drafted
     if k != "auto":
+        assert stats.accepted > 0
         drafts = partial(eagle3_drafts, ka)
         assert (stats.drafted, stats.accepted) == expected_rounds(
             ka.succ, drafts, prompt, N_PREDICT, k, stats
