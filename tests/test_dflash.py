@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import TARGET_HPARAMS
+from conftest import MODERATE_COSTS, TARGET_HPARAMS, pin_costs
 from ggufgen import (
     Eagle3KnownAnswer,
     spm_vocab,
@@ -72,20 +72,21 @@ def the_cycle(ka: Eagle3KnownAnswer, prompt: list[int], out: list[int]) -> bool:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, "auto"])
-def test_dflash_drafts_what_its_tables_say(known, k) -> None:
-    """The output is the target's cycle; at a fixed k the drafts are accepted exactly as
-    the tables say: the right layer inputs reach the right positions of its cache."""
+def test_dflash_drafts_what_its_tables_say(known, k, monkeypatch) -> None:
+    """The output is the target's cycle, and its drafts are accepted; at a fixed k exactly
+    as the tables say: the right layer inputs reach the right positions of its cache. -k
+    auto prices with pinned costs: on this tiny target a head call costs more than a
+    target token, and whether drafting pays there at all turns on the measurement's noise."""
     target, head, ka = known
+    if k == "auto":
+        pin_costs(monkeypatch, MODERATE_COSTS)
     with open_with_head_file(target, head, k) as engine:
         assert isinstance(engine.decoder.drafter, BlockDrafter)
         prompt = engine.tokenize(PROMPT)
         out, stats = generate(engine, n=N_PREDICT)
     assert the_cycle(ka, prompt, out)
-    # -k auto drafts (it probes at least), but whether its few rounds are accepted turns
-    # on the measured costs: on this tiny target a head call costs more than a token.
-    assert stats.accepted < stats.drafted
+    assert 0 < stats.accepted < stats.drafted
     if k != "auto":
-        assert stats.accepted > 0
         drafts = partial(eagle3_drafts, ka)
         assert (stats.drafted, stats.accepted) == expected_rounds(
             ka.succ, drafts, prompt, N_PREDICT, k, stats
