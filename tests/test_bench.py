@@ -353,6 +353,15 @@ def test_bench_checks_output_paths_before_measuring(target_model: Path, tmp_path
         assert result.stdout == ""  # nothing was measured
 
 
+def test_bench_output_file_options_refuse_a_flag_for_a_name(target_model: Path) -> None:
+    """`bench --json -n 64`, as `run --json` is written: the file name given is a flag, said
+    as such, not "unexpected extra argument (64)" once -n was taken for the file."""
+    for flag in ("--json", "--plot"):
+        result = specdec("bench", "-m", str(target_model), "-d", "ngram", flag, "-n", "4")
+        assert_user_error(result, flag, "-n", "file")
+        assert "extra argument" not in result.stderr
+
+
 def test_plot_speed_axis_from_zero_and_auto_as_a_point() -> None:
     plt = pytest.importorskip("matplotlib.pyplot")
     from specdec_cli.commands.display import plot_figure

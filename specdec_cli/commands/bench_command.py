@@ -49,6 +49,18 @@ from specdec_cli.decoding.settings import parse_tree
 from specdec_cli.models.chat import chat_format
 
 
+def output_file(param: typer.CallbackParam, value: Path | None) -> Path | None:
+    """A file to write (--json, --plot), but not another flag: `--json -n 64`, written as
+    `run --json` is, would take -n for the file and then fail on a stray 64."""
+    if value is not None and str(value).startswith("-") and str(value) != "-":
+        example = "bench.json" if "--json" in param.opts else "speedup.png"
+        raise typer.BadParameter(
+            f"{value} is a flag, not a file name: give the file to write, e.g. "
+            f"{param.opts[0]} {example}"
+        )
+    return value
+
+
 @takes_engine_flags
 @takes_chat_flags
 def bench(
@@ -158,7 +170,12 @@ def bench(
     chat_flags: FlagValues,  # --chat-template, --jinja, ...: for questions (--suite, .jsonl)
     json_path: Annotated[
         Path | None,
-        typer.Option("--json", metavar="FILE", help="Write every figure to this JSON file."),
+        typer.Option(
+            "--json",
+            metavar="FILE",
+            help="Write every figure to this JSON file.",
+            callback=output_file,
+        ),
     ] = None,
     plot_path: Annotated[
         Path | None,
@@ -167,6 +184,7 @@ def bench(
             metavar="FILE",
             help="Write a PNG of tokens/s and acceptance against k, and with questions "
             "the speedup by category (needs matplotlib).",
+            callback=output_file,
         ),
     ] = None,
     config: ConfigOpt = None,
