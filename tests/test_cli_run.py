@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -102,6 +103,18 @@ def test_padded_vocabulary_only_warns(target_model: Path, padded_vocab_model: Pa
 )
 def test_impossible_flag_values(target_model: Path, flags: list[str], word: str) -> None:
     assert_user_error(specdec("run", "-m", str(target_model), "-p", "hi", *flags), word)
+
+
+@pytest.mark.parametrize(
+    "command", [["run", "-t"], ["run", "-d", "ngram", "-td"], ["worker", "-t"]]
+)
+def test_more_threads_than_cpus_are_refused(target_model: Path, command: list[str]) -> None:
+    """-t 1000 on two cores ran 50 times slower than -t 2, saying nothing."""
+    too_many = str(len(os.sched_getaffinity(0)) + 1)
+    name, *flags = command
+    model = ["-m", str(target_model), "-p", "hi"] if name == "run" else []
+    result = specdec(name, *model, *flags, too_many)
+    assert_user_error(result, f"{flags[-1]} {too_many}", "or fewer")
 
 
 def test_prompt_longer_than_context(target_model: Path) -> None:

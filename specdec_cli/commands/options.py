@@ -24,6 +24,7 @@ from specdec_cli.decoding.settings import (
     parse_tree,
 )
 from specdec_cli.errors import UserError
+from specdec_cli.llamacpp.machine import check_threads
 from specdec_cli.llamacpp.rpc import parse_endpoints
 from specdec_cli.messages import note
 from specdec_cli.models.config import Config, ModelSpec, PairSpec, load_config
@@ -187,8 +188,10 @@ def engine_options(
             n_ctx=first_given(ctx_size, target_spec.n_ctx),
             n_batch=batch_size,
             n_ubatch=ubatch_size,
-            threads=first_given(threads, target_spec.threads),
-            threads_draft=first_given(threads_draft, getattr(draft_spec, "threads", None)),
+            threads=check_threads(first_given(threads, target_spec.threads), "-t"),
+            threads_draft=check_threads(
+                first_given(threads_draft, getattr(draft_spec, "threads", None)), "-td"
+            ),
             flash_attn=FlashAttn(flash_attn).value if flash_attn else None,
         ),
     )

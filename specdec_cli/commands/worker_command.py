@@ -64,8 +64,9 @@ def worker(
     Example (on each worker, over an SSH tunnel or a private network):
       specdec worker -p 50052
     """
-    from specdec_cli.llamacpp.machine import physical_cores
+    from specdec_cli.llamacpp.machine import check_threads, physical_cores
 
+    check_threads(threads, "-t")
     exposed = rpc.check_host(host, expose)
     if exposed:
         warn(exposed)

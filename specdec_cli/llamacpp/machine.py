@@ -15,7 +15,10 @@ from typing import Literal
 import platformdirs
 import psutil
 
+from specdec_cli.errors import UserError
+
 APP_NAME = "specdec"
+GGML_MAX_N_THREADS = 512  # ggml.h: a compute graph's most threads
 
 
 def physical_cores() -> int:
@@ -26,11 +29,28 @@ def physical_cores() -> int:
     hyper-threads per core (macOS has no affinity mask: all CPUs count)."""
     logical = psutil.cpu_count(logical=True) or 1
     physical = psutil.cpu_count(logical=False) or logical
+    return max(1, min(physical, usable_cpus() * physical // logical))
+
+
+def usable_cpus() -> int:
+    """Logical CPUs this process may run on: its affinity mask, else all of them."""
     try:
-        allowed = len(psutil.Process().cpu_affinity())
+        return len(psutil.Process().cpu_affinity())
     except (AttributeError, psutil.Error, OSError):
-        allowed = logical
-    return max(1, min(physical, allowed * physical // logical))
+        return psutil.cpu_count(logical=True) or 1
+
+
+def check_threads(threads: int | None, flag: str) -> int | None:
+    """A thread count as given (None or 0: the default), refused past the CPUs this
+    process may run on: threads beyond them only wait for one another (-t 1000 on two
+    cores ran 50 times slower), and ggml aborts past GGML_MAX_N_THREADS."""
+    most = min(usable_cpus(), GGML_MAX_N_THREADS)
+    if threads is not None and threads > most:
+        raise UserError(
+            f"{flag} {threads}: this process may run on {most} CPUs, and threads beyond "
+            f"them only wait for one another; use {flag} {most} or fewer"
+        )
+    return threads
 
 
 def _cpuinfo_field(name: str) -> str:
