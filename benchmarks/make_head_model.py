@@ -8,12 +8,14 @@ drafts the right token first after three tokens in four (write_dflash_known_answ
 right after three tokens in four (tests/gemma4gen.py, write_assistant_known_answer).
 `--kind chained`: a MiMo-V2 target writing a cycle, with three chained MTP blocks, each
 right after three tokens in four (tests/mimo2gen.py, write_chained_known_answer).
+`--kind eagle3`: a llama target writing a cycle, and an EAGLE-3 head beside it whose first
+draft is right after three tokens in four, its later ones never (write_eagle3_known_answer).
 Acceptance is known in advance and the same for every tool. The target's blocks add
 nothing to the text but are computed all the same, so --layers and --ffn set what a
 target pass costs (the defaults: about 10-20 ms a token on two CPU cores, a 1-3B
 model's).
 
-    python benchmarks/make_head_model.py [--kind mtp|dflash|assistant|chained] [--layers 8]
+    python benchmarks/make_head_model.py [--kind mtp|dflash|assistant|chained|eagle3] [--layers 8]
         [--ffn 4096]
 """
 
@@ -26,7 +28,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))  # the test-model generator
 from gemma4gen import write_assistant_known_answer  # noqa: E402
-from ggufgen import spm_vocab, write_dflash_known_answer, write_mtp_known_answer  # noqa: E402
+from ggufgen import (  # noqa: E402
+    spm_vocab,
+    write_dflash_known_answer,
+    write_eagle3_known_answer,
+    write_mtp_known_answer,
+)
 from mimo2gen import write_chained_known_answer  # noqa: E402
 
 OUT = REPO / "benchmarks" / "out"
@@ -34,7 +41,9 @@ OUT = REPO / "benchmarks" / "out"
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--kind", choices=["mtp", "dflash", "assistant", "chained"], default="mtp")
+    parser.add_argument(
+        "--kind", choices=["mtp", "dflash", "assistant", "chained", "eagle3"], default="mtp"
+    )
     parser.add_argument("--layers", type=int, default=8, help="target layers (8)")
     parser.add_argument("--ffn", type=int, default=4096, help="target feed-forward width (4096)")
     parser.add_argument("--seed", type=int, default=3)
@@ -62,11 +71,10 @@ def main() -> None:
         )
         print(f"{target} ({shape}), {head}: right after {tables.good.mean():.0%} of tokens")
         return
-    folder = OUT / "dflash-known-answer"
+    folder = OUT / f"{args.kind}-known-answer"
     folder.mkdir(exist_ok=True)
-    target, head, _ = write_dflash_known_answer(
-        folder, spm_vocab(), args.seed, n_layer=args.layers, n_ff=args.ffn
-    )
+    write = write_eagle3_known_answer if args.kind == "eagle3" else write_dflash_known_answer
+    target, head, _ = write(folder, spm_vocab(), args.seed, n_layer=args.layers, n_ff=args.ffn)
     print(f"{target} ({shape}), {head}")
 
 

@@ -964,18 +964,21 @@ def write_eagle3_known_answer(
     temper: float = 0.0,
     block_scale: float = 0.0,
     second: float = 0.0,
+    n_layer: int = 2,
+    n_ff: int = 64,
 ) -> tuple[Path, Path, Eagle3KnownAnswer]:
     """A llama target and an EAGLE-3 head for it whose answers follow from tables:
 
     - the target writes a cycle, every layer's input the token (see _cycle_target);
     - the head: see write_eagle3_head.
 
-    `temper` > 0 softens both outputs for sampling (see _answers).
+    `temper` > 0 softens both outputs for sampling (see _answers). `n_layer` and `n_ff`
+    make the target as costly as a real model's, for benchmarks.
     """
     rng = np.random.default_rng(seed)
     n_vocab = len(vocab)
     n_embd = -(-n_vocab // 64) * 64
-    hp = HParams(n_embd=n_embd, n_layer=2, n_head=4, n_head_kv=4, n_ff=64, n_ctx_train=1024)
+    hp = HParams(n_embd=n_embd, n_layer=n_layer, n_head=4, n_head_kv=4, n_ff=n_ff, n_ctx_train=1024)
     target_path, ka = _cycle_target(folder, vocab, hp, rng, good_fraction, temper)
     head_path = write_eagle3_head(
         folder / "eagle3.gguf", vocab, hp, ka, rng, temper, block_scale, second
