@@ -357,6 +357,21 @@ def test_auto_drafts_again_where_the_shortest_useful_draft_is_long() -> None:
     assert all(k >= 3 for k in recovered[-20:])  # the text turned easy: drafting again
 
 
+def test_auto_climbs_past_a_gap_in_the_ladder() -> None:
+    """A measured curve with a bump (here an EAGLE-3 target's on two cores: 5 and 6
+    tokens never the best length) leaves a gap in the ladder, 4 then 7. A climb goes
+    at most MAX_CLIMB tokens a step, and only to rungs: back from a hard stretch on an
+    easy text, it stopped at 4 for good, 16 % slower than 7."""
+    bumpy = {1: 1.0, 2: 1.16, 3: 1.27, 4: 1.43, 5: 1.54, 6: 1.67, 7: 1.70, 8: 1.73, 9: 1.80}
+    bumpy |= {n: 1.80 + 0.08 * (n - 9) for n in range(10, 18)}
+    costs = Costs(0.01, 0.036, bumpy)
+    policy = AutoLength(costs, 0, 16, uses_confidence=False)
+    assert 5 not in policy.ladder and 6 not in policy.ladder and 4 in policy.ladder
+    assert all_or_nothing(policy, costs, 40, accept=False)[-8:].count(0) >= 7  # hard: stops
+    easy_again = all_or_nothing(policy, costs, 150, accept=True)
+    assert min(easy_again[-20:]) >= 7
+
+
 def test_auto_drafts_again_soon_after_the_text_turns_easy() -> None:
     """Rounds without a draft move the text on: after a hard stretch stopped drafting,
     a probe that is accepted whole must count for the rounds it stood for. Counted as

@@ -567,7 +567,13 @@ class AutoLength:
             return k
         step = max(n for n in rungs if n < k) if best < k else min(n for n in rungs if n > k)
         # (Starting to draft again goes straight to the first rung, however long.)
-        return step if step <= max(k + self.MAX_CLIMB, self.pricing.first_rung) else k
+        if step <= max(k + self.MAX_CLIMB, self.pricing.first_rung):
+            return step
+        # The next rung lies further than a climb goes (measured curves have bumps: a
+        # ladder 0-4, then 7): climb as far as one may, where that rates above k, or k
+        # would stay below the gap for good.
+        reach = k + self.MAX_CLIMB
+        return reach if self.rates_at(estimates, {reach})[reach] > now else k
 
     def keep_drafting(self, i: int, confidence: float) -> bool:
         if i >= max(1, self.k_min) and confidence < self.p_min:
