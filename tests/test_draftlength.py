@@ -372,6 +372,32 @@ def test_auto_climbs_past_a_gap_in_the_ladder() -> None:
     assert min(easy_again[-20:]) >= 7
 
 
+def one_step_head_rounds(bayes_weight: bool, rounds: int = 200) -> list[int]:
+    """-k auto over a head trained for one step (the EAGLE-3 and DFlash known-answer
+    heads): its first guess right three times in four, its later ones never; priced as
+    the EAGLE-3 one's target on two cores, where k=1 runs 12 % faster than k=2."""
+    costs = Costs(0.01, 0.036, {1: 1.0, 2: 1.16, 3: 1.27, 4: 1.43, 5: 1.54, 6: 1.67, 7: 1.70})
+    policy = AutoLength(costs, 0, 6, uses_confidence=False, bayes_weight=bayes_weight)
+    rng = np.random.default_rng(0)
+    chosen = []
+    for _ in range(rounds):
+        k = policy.choose(100)
+        chosen.append(k)
+        accepted = int(k > 0 and rng.random() < 0.75)
+        t = costs.target_seconds
+        seconds = (k * costs.draft_over_target * t, costs.verify[k + 1] * t)
+        policy.observe(draft_of(k), accepted, *seconds)
+    return chosen
+
+
+def test_a_heads_policy_drafts_one_where_its_second_guess_is_never_right() -> None:
+    """Leaning on the first position, the never-right second read a third to half as
+    right, and -k auto drafted 2 or more in most rounds (the control). A head's policy
+    weighs each test by how well its own estimate and the lean foretold it."""
+    assert one_step_head_rounds(bayes_weight=False)[-100:].count(1) < 30
+    assert one_step_head_rounds(bayes_weight=True)[-100:].count(1) >= 65
+
+
 def test_auto_drafts_again_soon_after_the_text_turns_easy() -> None:
     """Rounds without a draft move the text on: after a hard stretch stopped drafting,
     a probe that is accepted whole must count for the rounds it stood for. Counted as

@@ -442,6 +442,15 @@ def test_known_answer_head_without_states_accepts_nothing(known_answer, monkeypa
     assert stats.drafted > 0 and stats.accepted == 0
 
 
+def test_only_a_heads_policy_weighs_its_depths_by_bayes(mtp_model: Path) -> None:
+    """-k auto's estimates by depth: a head's are its training's (see
+    PositionAcceptance), a lookup's the text's, even beside the head."""
+    with open_engine(mtp_model, "auto", ngram=True) as engine:
+        decoder = engine.decoder
+        assert decoder.length.positions.bayes_weight
+        assert not decoder.lengths["ngram"].positions.bayes_weight
+
+
 def test_info_and_check_say_what_the_head_reads(mtp_model: Path, target_model: Path) -> None:
     info = specdec("info", str(mtp_model))
     assert info.returncode == 0, info.stderr

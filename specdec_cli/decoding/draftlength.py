@@ -111,14 +111,26 @@ class Calibration:
 class PositionAcceptance:
     """The chance that draft token i is accepted once the ones before it were, per
     position: running averages that forget old rounds (`decay`), so that they follow
-    the text, starting from `prior`."""
+    the text, starting from `prior`.
+
+    A position not tested lately leans on the one before (`weight` is the trust in its
+    own estimate), as a lookup's deep positions must: how far a guess runs is the
+    text's. A head's acceptance by depth is its training's: one trained for a single
+    step can have a second guess that is never right, and leaning so, read as a third
+    to half as right as its first, it drafted two tokens where one was best. With
+    `bayes_weight` (a head's), a test also moves that trust by Bayes' rule, by how well
+    the position's own estimate and the lean each foretold its outcome: a miss where
+    the estimate said miss gives back the trust the untested rounds took."""
 
     # The prior weighs as much as this many rounds while evidence builds up: less, and
     # a few early misses send a fresh run to k=1 for a while.
     PRIOR_ROUNDS = 2
+    # The least likelihood an estimate gives an outcome: one surprise never makes an
+    # estimate worthless.
+    LEAST_LIKELIHOOD = 0.02
 
-    def __init__(self, n: int, prior: float, decay: float) -> None:
-        self.prior, self.decay = prior, decay
+    def __init__(self, n: int, prior: float, decay: float, bayes_weight: bool = False) -> None:
+        self.prior, self.decay, self.bayes_weight = prior, decay, bayes_weight
         self.accept = [prior] * n  # the running estimate per draft position
         self.weight = [0.0] * n  # how recent the evidence behind each estimate is
         # How many rounds each estimate is a mean of (the prior's to start), forgotten
@@ -160,6 +172,8 @@ class PositionAcceptance:
         self._undrafted = 0
         fresh = 1.0 - self.decay * stale  # the least weight of what this round tested
         tested = min(drafted, accepted + 1)
+        # What each position leaned on before this round (the one before's estimate).
+        leans = [self.prior, *self.estimates(tested - 1)] if self.bayes_weight else []
         for i in range(len(self.accept)):
             self.evidence[i] *= stale
             if i < tested:
@@ -167,11 +181,21 @@ class PositionAcceptance:
                 # A plain mean over the evidence (and the prior), so that the start is
                 # quick; a decayed one once there is enough.
                 step = max(fresh, 1.0 / (self.decay * self.evidence[i] + 1.0))
+                weight = self.weight[i] + step * (1.0 - self.weight[i])
+                if leans:
+                    own = self._likelihood(self.accept[i], hit) * weight
+                    lean = self._likelihood(leans[i], hit) * (1.0 - weight)
+                    weight = max(weight, own / (own + lean))
+                self.weight[i] = weight
                 self.accept[i] += step * (hit - self.accept[i])
-                self.weight[i] += step * (1.0 - self.weight[i])
                 self.evidence[i] = 1.0 / step
             else:  # drafted, but not this far: the evidence is a round older
                 self.weight[i] *= self.decay
+
+    def _likelihood(self, estimate: float, hit: float) -> float:
+        """How likely `estimate` made the outcome `hit` (a chance, where sampling knew
+        it)."""
+        return max(self.LEAST_LIKELIHOOD, estimate * hit + (1.0 - estimate) * (1.0 - hit))
 
 
 class RunningMean:
@@ -378,10 +402,12 @@ class AutoLength:
         prior: float = PRIOR,
         margin: float = 0.0,
         first: Costs | None = None,
+        bayes_weight: bool = False,
     ) -> None:
         """`margin`: how much more than no draft drafting must promise to go on, for a
         drafter whose rounds cost more than the costs price (0: drafting goes on while
-        it is the best choice, or within MIN_GAIN of it, as any k does).
+        it is the best choice, or within MIN_GAIN of it, as any k does). `bayes_weight`:
+        a drafting head's (see PositionAcceptance).
 
         `first`: what a rejection-sampled generation prices with (None: `costs`). Its
         text follows its draft lengths, so a seed reproduces it only while its costs stay
@@ -392,7 +418,7 @@ class AutoLength:
         self.k_max = min(k_max, max(costs.verify) - 1)
         self.k_min, self.p_min = min(k_min, self.k_max), p_min
         self.uses_confidence = uses_confidence
-        self.prior, self.decay = prior, decay
+        self.prior, self.decay, self.bayes_weight = prior, decay, bayes_weight
         self.learn = 1.0 - decay  # how fast the rate and the costs follow the rounds
         # Python's time in a round without a draft, as the generations whose text no
         # draft changes show it (see RoundCosts and share_plain_rounds).
@@ -451,7 +477,7 @@ class AutoLength:
         if kept is None:
             kept = Learnt(
                 RoundCosts(self.pricing.costs, self._plain if invariant else None),
-                PositionAcceptance(self.k_max, self.prior, self.decay),
+                PositionAcceptance(self.k_max, self.prior, self.decay, self.bayes_weight),
                 Calibration(),
                 1.0 / self.pricing.costs.target_seconds,  # tokens/s; target-only to start
                 0,

@@ -122,7 +122,7 @@ class Policy:
             return self._length(kind, k, costs, LOOKUP_PRIOR)
         if self.models.translation is not None:
             return self._length(kind, k, costs, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
-        return self._length(kind, k, costs)
+        return self._length(kind, k, costs, head=kind.partition("+")[0] in HEAD_KINDS)
 
     def _length(
         self,
@@ -131,10 +131,11 @@ class Policy:
         costs: Costs | None,
         prior: float = AutoLength.PRIOR,
         margin: float = 0.0,
+        head: bool = False,
     ) -> DraftLength:
         """-k as a policy for a drafter of this kind: a fixed length, or auto's, priced
         with what this drafter costs and starting from `prior` acceptance (`margin`: see
-        AutoLength)."""
+        AutoLength; a `head`'s acceptance by depth is its own: its bayes_weight)."""
         d = self.models.options.drafting
         n = parse_k(k)
         if n is not None:
@@ -149,6 +150,7 @@ class Policy:
             prior=prior,
             margin=margin,
             first=first,
+            bayes_weight=head,
         )
 
     def _blocks_of(self, kind: str) -> int:
