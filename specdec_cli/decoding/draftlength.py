@@ -116,11 +116,11 @@ class PositionAcceptance:
     A position not tested lately leans on the one before (`weight` is the trust in its
     own estimate), as a lookup's deep positions must: how far a guess runs is the
     text's. A head's acceptance by depth is its training's: one trained for a single
-    step can have a second guess that is never right, and leaning so, read as a third
-    to half as right as its first, it drafted two tokens where one was best. With
-    `bayes_weight` (a head's), a test also moves that trust by Bayes' rule, by how well
-    the position's own estimate and the lean each foretold its outcome: a miss where
-    the estimate said miss gives back the trust the untested rounds took."""
+    step can have a second guess that is never right, which, leaning so, reads as often
+    right, and -k auto drafts two tokens where one is best. With `bayes_weight` (a
+    head's), a test also moves that trust by Bayes' rule, by how well the position's
+    own estimate and the lean each foretold its outcome: a miss where the estimate said
+    miss gives back the trust the untested rounds took."""
 
     # The prior weighs as much as this many rounds while evidence builds up: less, and
     # a few early misses send a fresh run to k=1 for a while.

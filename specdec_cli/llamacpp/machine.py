@@ -42,8 +42,8 @@ def usable_cpus() -> int:
 
 def check_threads(threads: int | None, flag: str) -> int | None:
     """A thread count as given (None or 0: the default), refused past the CPUs this
-    process may run on: threads beyond them only wait for one another (-t 1000 on two
-    cores ran 50 times slower), and ggml aborts past GGML_MAX_N_THREADS."""
+    process may run on: threads beyond them only wait for one another, and ggml aborts
+    past GGML_MAX_N_THREADS."""
     most = min(usable_cpus(), GGML_MAX_N_THREADS)
     if threads is not None and threads > most:
         raise UserError(
