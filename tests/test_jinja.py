@@ -292,6 +292,23 @@ def test_templates_that_would_not_end_are_stopped(
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ '{:>999999999}'.format(1) }}",
+        "{{ '{:>99999999}'.format(1) }}",
+        "{{ '{x:>999999999}'.format_map({'x': 1}) }}",
+        "{{ '%99999999d'|format(1) }}",
+    ],
+)
+def test_a_wide_format_string_is_stopped_before_it_is_filled(source: str) -> None:
+    """A string's format method reached the template wrapped by jinja2, so the width check
+    never saw its format string: the output limit stopped it only after it had built a
+    string of a billion characters. A width past the output limit is refused unbuilt."""
+    with pytest.raises(UserError, match="a format string asks for more than a template may make"):
+        jinja.render(source, [])
+
+
 def test_a_system_message_goes_into_the_first_user_turn_where_the_template_has_none() -> None:
     """As llama-server does: the template raises on a system message, or leaves it out."""
     strict = (

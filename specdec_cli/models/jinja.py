@@ -33,7 +33,7 @@ TIME_LIMIT_S = 5.0
 OUTPUT_LIMIT = 16 * 2**20  # characters: far beyond any context's worth of text
 _CHECK_EVERY = 1024  # loop steps between two looks at the clock
 _MAX_POWER_BITS = 1 << 16
-_BIG_NUMBER = re.compile(r"\d{9,}")  # in a format string: a width past OUTPUT_LIMIT
+_LONG_NUMBER = re.compile(r"\d{8,}")  # in a format string: a width that may pass OUTPUT_LIMIT
 # Calls (str methods, filters) that make their output as wide as they are asked to,
 # and those that read widths from a format string.
 _WIDENERS = frozenset({"ljust", "rjust", "center", "zfill", "expandtabs", "indent"})
@@ -71,8 +71,13 @@ def _check_call(name: str, args: Sequence[Any], kwargs: Mapping[str, Any]) -> No
             if isinstance(value, int) and abs(value) > OUTPUT_LIMIT:
                 raise TemplateLimit(f"a width of {value} is more than a template may make")
     spec = args[0] if args else None  # the format string: str.format's self, |format's value
-    if name in _FORMATTERS and isinstance(spec, str) and _BIG_NUMBER.search(spec):
+    if name in _FORMATTERS and isinstance(spec, str) and _asks_too_wide(spec):
         raise TemplateLimit("a format string asks for more than a template may make")
+
+
+def _asks_too_wide(spec: str) -> bool:
+    """Whether a format string holds a width past OUTPUT_LIMIT."""
+    return any(int(number) > OUTPUT_LIMIT for number in _LONG_NUMBER.findall(spec))
 
 
 def _guarded(name: str, filter_: Callable[..., Any]) -> Callable[..., Any]:
@@ -112,7 +117,10 @@ class _Environment(ImmutableSandboxedEnvironment):
     def call(__self, __context: Any, __obj: Any, *args: Any, **kwargs: Any) -> Any:
         _check_clock()
         name = getattr(__obj, "__name__", "")
-        _check_call(name, [getattr(__obj, "__self__", None), *args], kwargs)
+        # jinja2 hands a template a string's format method wrapped: the string is the
+        # wrapped method's.
+        method = getattr(__obj, "__wrapped__", __obj)
+        _check_call(name, [getattr(method, "__self__", None), *args], kwargs)
         return super().call(__context, __obj, *args, **kwargs)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
