@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -17,6 +16,7 @@ from specdec_cli.commands.bench import BenchOptions
 from specdec_cli.decoding.engine import Engine
 from specdec_cli.decoding.sampling import SamplingParams
 from specdec_cli.llamacpp import costcache
+from specdec_cli.llamacpp.machine import usable_cpus
 
 
 def specdec(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -110,7 +110,7 @@ def test_impossible_flag_values(target_model: Path, flags: list[str], word: str)
 )
 def test_more_threads_than_cpus_are_refused(target_model: Path, command: list[str]) -> None:
     """-t 1000 on two cores ran 50 times slower than -t 2, saying nothing."""
-    too_many = str(len(os.sched_getaffinity(0)) + 1)
+    too_many = str(usable_cpus() + 1)
     name, *flags = command
     model = ["-m", str(target_model), "-p", "hi"] if name == "run" else []
     result = specdec(name, *model, *flags, too_many)

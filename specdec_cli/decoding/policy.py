@@ -42,6 +42,11 @@ TRANSLATED_PRIOR = 0.5
 TRANSLATED_MARGIN = 0.05
 
 
+def drafter_name(kind: str) -> str:
+    """The drafter of a decoder's kind, without the lookup beside it ("mtp+ngram": "mtp")."""
+    return kind.partition("+")[0]
+
+
 class Policy:
     """Decoders for the loaded models, as the options and a request ask."""
 
@@ -122,7 +127,7 @@ class Policy:
             return self._length(kind, k, costs, LOOKUP_PRIOR)
         if self.models.translation is not None:
             return self._length(kind, k, costs, TRANSLATED_PRIOR, TRANSLATED_MARGIN)
-        return self._length(kind, k, costs, head=kind.partition("+")[0] in HEAD_KINDS)
+        return self._length(kind, k, costs, head=drafter_name(kind) in HEAD_KINDS)
 
     def _length(
         self,
@@ -157,7 +162,7 @@ class Policy:
         """The chained MTP blocks a drafter of this kind drafts with, a token each (0:
         it drafts otherwise)."""
         head = self.models.head
-        if head is None or head.n_heads == 1 or kind.partition("+")[0] != "mtp":
+        if head is None or head.n_heads == 1 or drafter_name(kind) != "mtp":
             return 0
         return head.n_heads
 
@@ -165,7 +170,7 @@ class Policy:
         """The draft calls a round of this kind pays whatever its length (0: a call a
         token): a DFlash block's one, and chained MTP blocks' one each (each catches up
         every round, drafting or not)."""
-        return 1 if kind.partition("+")[0] == "dflash" else self._blocks_of(kind)
+        return 1 if drafter_name(kind) == "dflash" else self._blocks_of(kind)
 
     def fits_tree(self, tree: str) -> bool:
         """Whether a tree setting is no wider than this engine was made for. "auto"
